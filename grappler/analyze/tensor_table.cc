@@ -1,0 +1,324 @@
+#include "grappler/analyze/tensor_table.h"
+
+#include <algorithm>
+#include <deque>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/grappler/costs/graph_properties.h"
+#include "tensorflow/core/grappler/op_types.h"
+#include "tensorflow/core/grappler/utils.h"
+#include "tensorflow/core/util/device_name_utils.h"
+
+namespace tfmemopt {
+namespace {
+
+using tensorflow::DataType;
+using tensorflow::NodeDef;
+using tensorflow::OpInfo;
+using tensorflow::grappler::GraphProperties;
+using tensorflow::grappler::GrapplerItem;
+
+// Ops whose output i is the buffer of input i (TF forwards it, no allocation).
+bool ForwardsInputBuffer(const NodeDef& node) {
+  static const auto* ops = new std::set<std::string>{
+      "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims",
+      "StopGradient", "PreventGradient", "EnsureShape", "Bitcast",
+      "_Retval", "Snapshot"};
+  return ops->count(node.op()) > 0;
+}
+
+// Gradient code is named by tf.gradients ("gradients/") or GradientTape
+// ("gradient_tape/"); everything downstream of it (the optimizer update) is
+// backward too.
+bool InGradientScope(const std::string& name) {
+  return absl::StartsWith(name, "gradients/") ||
+         absl::StartsWith(name, "gradient_tape/") ||
+         absl::StrContains(name, "/gradients/") ||
+         absl::StrContains(name, "/gradient_tape/");
+}
+
+bool IsGraphInput(const NodeDef& node) {
+  return node.op() == "Placeholder" || node.op() == "_Arg" ||
+         node.op() == "PlaceholderWithDefault";
+}
+
+bool IsPersistentProducer(const NodeDef& node) {
+  return tensorflow::grappler::IsConstant(node) ||
+         tensorflow::grappler::IsVariable(node);
+}
+
+struct ShapeBytes {
+  int64_t bytes = 0;
+  bool known = true;
+  int64_t resolved_dims = 0;
+};
+
+ShapeBytes SizeOf(const OpInfo::TensorProperties& props,
+                  const std::set<int64_t>& batch_symbols, int64_t batch_size) {
+  ShapeBytes out;
+  const int64_t element = tensorflow::DataTypeSize(props.dtype());
+  if (props.dtype() == tensorflow::DT_RESOURCE ||
+      props.dtype() == tensorflow::DT_VARIANT || element == 0) {
+    // Handles and variants: the bytes behind them are accounted elsewhere
+    // (variables) or unknowable statically (strings, variants).
+    out.known = props.dtype() == tensorflow::DT_RESOURCE;
+    return out;
+  }
+  int64_t elements = 1;
+  if (props.shape().unknown_rank()) {
+    out.known = false;
+  } else {
+    for (const auto& dim : props.shape().dim()) {
+      int64_t size = dim.size();
+      if (size < 0 && batch_size > 0 && batch_symbols.count(size)) {
+        size = batch_size;
+        ++out.resolved_dims;
+      }
+      if (size < 0) {
+        out.known = false;
+        size = 1;
+      }
+      elements *= size;
+    }
+  }
+  out.bytes = elements * element;
+  return out;
+}
+
+// The variable behind a resource handle, as its readers and writers see it.
+int64_t VariableBytes(const TensorTable& table, const GraphProperties& props,
+                      int handle_tensor) {
+  for (int consumer : table.tensors[handle_tensor].consumers) {
+    const NodeDef& node = *table.nodes[consumer].def;
+    const std::vector<OpInfo::TensorProperties>* shapes = nullptr;
+    int index = 0;
+    if (node.op() == "ReadVariableOp") {
+      shapes = &props.GetOutputProperties(node.name());
+    } else if (node.op() == "AssignVariableOp" ||
+               node.op() == "AssignAddVariableOp" ||
+               node.op() == "AssignSubVariableOp") {
+      shapes = &props.GetInputProperties(node.name());
+      index = 1;
+    }
+    if (shapes == nullptr || static_cast<int>(shapes->size()) <= index) continue;
+    ShapeBytes size = SizeOf((*shapes)[index], {}, 0);
+    if (size.known) return size.bytes;
+  }
+  return 0;
+}
+
+}  // namespace
+
+const char* TensorRoleName(TensorRole role) {
+  switch (role) {
+    case TensorRole::kPersistent: return "persistent";
+    case TensorRole::kActivation: return "activation";
+    case TensorRole::kGradient: return "gradient";
+  }
+  return "unknown";
+}
+
+std::string ShortDeviceName(const std::string& device) {
+  tensorflow::DeviceNameUtils::ParsedName parsed;
+  if (device.empty() ||
+      !tensorflow::DeviceNameUtils::ParseFullName(device, &parsed) ||
+      !parsed.has_type || !parsed.has_id) {
+    return device;
+  }
+  return absl::StrCat(parsed.type, ":", parsed.id);
+}
+
+std::string TensorTable::TensorName(int tensor) const {
+  const TensorInfo& t = tensors[tensor];
+  const std::string& node = nodes[t.node].def->name();
+  return t.port == 0 ? node : absl::StrCat(node, ":", t.port);
+}
+
+absl::Status BuildTensorTable(const GrapplerItem& item,
+                              const MemoryOptimizerOptions& options,
+                              TensorTable* table) {
+  *table = TensorTable();
+  const tensorflow::GraphDef& graph = item.graph;
+  GraphProperties properties(item);
+  absl::Status status = properties.InferStatically(
+      /*assume_valid_feeds=*/true, /*aggressive_shape_inference=*/false,
+      /*include_input_tensor_values=*/false,
+      /*include_output_tensor_values=*/false);
+  if (!status.ok()) {
+    return absl::Status(status.code(),
+                        absl::StrCat("shape inference: ", status.message()));
+  }
+
+  // The batch dimension: the symbolic dim 0 of every graph input.
+  std::set<int64_t> batch_symbols;
+  std::set<std::string> feeds;
+  for (const auto& feed : item.feed) {
+    feeds.insert(tensorflow::grappler::NodeName(feed.first));
+  }
+  for (const NodeDef& node : graph.node()) {
+    if (!IsGraphInput(node) && !feeds.count(node.name())) continue;
+    if (!properties.HasOutputProperties(node.name())) continue;
+    for (const auto& out : properties.GetOutputProperties(node.name())) {
+      if (out.shape().unknown_rank() || out.shape().dim_size() == 0) continue;
+      int64_t dim0 = out.shape().dim(0).size();
+      if (dim0 < -1) batch_symbols.insert(dim0);
+    }
+  }
+
+  std::set<std::string> devices;
+  table->nodes.resize(graph.node_size());
+  for (int i = 0; i < graph.node_size(); ++i) {
+    const NodeDef& node = graph.node(i);
+    NodeInfo& info = table->nodes[i];
+    info.def = &node;
+    info.device = ShortDeviceName(node.device());
+    devices.insert(info.device);
+    info.stateful = tensorflow::grappler::IsStateful(node);
+    table->node_index[node.name()] = i;
+    if (!properties.HasOutputProperties(node.name())) continue;
+    const auto& outputs = properties.GetOutputProperties(node.name());
+    for (int port = 0; port < static_cast<int>(outputs.size()); ++port) {
+      ShapeBytes size = SizeOf(outputs[port], batch_symbols, options.assume_batch_size);
+      TensorInfo tensor;
+      tensor.node = i;
+      tensor.port = port;
+      tensor.bytes = size.bytes;
+      tensor.size_known = size.known;
+      table->batch_dims_resolved += size.resolved_dims;
+      info.outputs.push_back(static_cast<int>(table->tensors.size()));
+      if (!size.known) {
+        table->unresolved_tensors.push_back(static_cast<int>(table->tensors.size()));
+      }
+      table->tensors.push_back(tensor);
+    }
+  }
+  table->devices.assign(devices.begin(), devices.end());
+
+  // Data edges. A producer port past what shape inference reported gets a row of
+  // its own (unknown size) so that no edge is lost.
+  for (int i = 0; i < graph.node_size(); ++i) {
+    const NodeDef& node = graph.node(i);
+    for (const std::string& input : node.input()) {
+      tensorflow::TensorId id = tensorflow::ParseTensorName(input);
+      if (id.index() < 0) continue;  // control dependency
+      auto it = table->node_index.find(std::string(id.node()));
+      if (it == table->node_index.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "node ", node.name(), " reads missing input ", input));
+      }
+      NodeInfo& producer = table->nodes[it->second];
+      while (static_cast<int>(producer.outputs.size()) <= id.index()) {
+        TensorInfo tensor;
+        tensor.node = it->second;
+        tensor.port = static_cast<int>(producer.outputs.size());
+        tensor.size_known = false;
+        producer.outputs.push_back(static_cast<int>(table->tensors.size()));
+        table->unresolved_tensors.push_back(static_cast<int>(table->tensors.size()));
+        table->tensors.push_back(tensor);
+      }
+      int tensor = producer.outputs[id.index()];
+      table->tensors[tensor].consumers.push_back(i);
+      table->nodes[i].inputs.push_back(tensor);
+    }
+  }
+  for (const std::string& fetch : item.fetch) {
+    tensorflow::TensorId id = tensorflow::ParseTensorName(fetch);
+    auto it = table->node_index.find(std::string(id.node()));
+    if (it == table->node_index.end()) continue;
+    const NodeInfo& node = table->nodes[it->second];
+    if (id.index() >= 0 && id.index() < static_cast<int>(node.outputs.size())) {
+      table->fetch_tensors.push_back(node.outputs[id.index()]);
+    }
+  }
+
+  // Backward = in a gradient scope or downstream of one (data or control edges).
+  std::deque<int> frontier;
+  for (int i = 0; i < graph.node_size(); ++i) {
+    if (InGradientScope(graph.node(i).name())) {
+      table->nodes[i].backward = true;
+      frontier.push_back(i);
+    }
+  }
+  std::vector<std::vector<int>> fanout(graph.node_size());
+  for (int i = 0; i < graph.node_size(); ++i) {
+    for (const std::string& input : graph.node(i).input()) {
+      auto it = table->node_index.find(tensorflow::grappler::NodeName(input));
+      if (it != table->node_index.end()) fanout[it->second].push_back(i);
+    }
+  }
+  while (!frontier.empty()) {
+    int n = frontier.front();
+    frontier.pop_front();
+    for (int next : fanout[n]) {
+      if (!table->nodes[next].backward) {
+        table->nodes[next].backward = true;
+        frontier.push_back(next);
+      }
+    }
+  }
+
+  // Buffers: forwarding ops share their input's buffer; variables and constants
+  // live for the whole step.
+  for (int i = 0; i < graph.node_size(); ++i) {
+    for (int t : table->nodes[i].outputs) {
+      TensorInfo& tensor = table->tensors[t];
+      NodeInfo& node = table->nodes[i];
+      tensor.role = node.backward ? TensorRole::kGradient : TensorRole::kActivation;
+      if (ForwardsInputBuffer(*node.def) &&
+          tensor.port < static_cast<int>(node.inputs.size())) {
+        continue;  // bound below, once its input's buffer exists
+      }
+      BufferInfo buffer;
+      buffer.owner = t;
+      buffer.device = node.device;
+      const bool resource = properties.HasOutputProperties(node.def->name()) &&
+                            tensor.port < static_cast<int>(
+                                properties.GetOutputProperties(node.def->name()).size()) &&
+                            properties.GetOutputProperties(node.def->name())[tensor.port]
+                                    .dtype() == tensorflow::DT_RESOURCE;
+      if (resource) {
+        buffer.bytes = VariableBytes(*table, properties, t);
+        buffer.persistent = true;
+        tensor.role = TensorRole::kPersistent;
+      } else {
+        buffer.bytes = tensor.bytes;
+        buffer.persistent = IsPersistentProducer(*node.def);
+        if (buffer.persistent) tensor.role = TensorRole::kPersistent;
+      }
+      tensor.buffer = static_cast<int>(table->buffers.size());
+      table->buffers.push_back(buffer);
+    }
+  }
+  // Forwarded outputs, resolved along a topological walk of the alias chains.
+  bool changed = true;
+  while (changed) {
+    changed = false;
+    for (NodeInfo& node : table->nodes) {
+      if (!ForwardsInputBuffer(*node.def)) continue;
+      for (int t : node.outputs) {
+        TensorInfo& tensor = table->tensors[t];
+        if (tensor.buffer >= 0 || tensor.port >= static_cast<int>(node.inputs.size())) continue;
+        const TensorInfo& source = table->tensors[node.inputs[tensor.port]];
+        if (source.buffer < 0) continue;
+        tensor.buffer = source.buffer;
+        if (table->buffers[source.buffer].persistent) tensor.role = TensorRole::kPersistent;
+        changed = true;
+      }
+    }
+  }
+  for (TensorInfo& tensor : table->tensors) {
+    if (tensor.buffer >= 0) continue;  // only alias cycles (loops) remain here
+    BufferInfo buffer;
+    buffer.owner = static_cast<int>(&tensor - table->tensors.data());
+    buffer.bytes = tensor.bytes;
+    buffer.device = table->nodes[tensor.node].device;
+    tensor.buffer = static_cast<int>(table->buffers.size());
+    table->buffers.push_back(buffer);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tfmemopt

@@ -1,0 +1,85 @@
+// Analyze: one row per tensor of the item's graph, with its byte size, producer,
+// consumers, device, role and whether its producer is stateful.
+//
+// Sizes come from Grappler's GraphProperties (static inference, assuming valid
+// feeds). Unknown dimensions are resolved as follows:
+//  * shapes of fed tensors (item.feed) are taken as given by GraphProperties;
+//  * the symbolic dimension at position 0 of every graph input (Placeholder, _Arg,
+//    feed) is the batch dimension; with assume_batch_size > 0 every dimension that
+//    GraphProperties proves equal to it is replaced by that value;
+//  * any dimension still unknown counts as 1, and the tensor is listed as unresolved
+//    so the report can say the prediction is a lower bound.
+#ifndef TFMEMOPT_GRAPPLER_ANALYZE_TENSOR_TABLE_H_
+#define TFMEMOPT_GRAPPLER_ANALYZE_TENSOR_TABLE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "grappler/memory_optimizer_options.h"
+#include "tensorflow/core/grappler/grappler_item.h"
+
+namespace tfmemopt {
+
+// What a tensor is for in a training step; the timeline is stacked by it.
+enum class TensorRole {
+  kPersistent,  // variables, optimizer slots and constants: alive for the whole step
+  kActivation,  // produced by the forward pass
+  kGradient,    // produced by the backward pass or the optimizer update
+};
+const char* TensorRoleName(TensorRole role);
+
+struct TensorInfo {
+  int node = -1;  // producer, index into TensorTable::nodes
+  int port = 0;
+  int64_t bytes = 0;
+  bool size_known = true;  // every dimension resolved
+  TensorRole role = TensorRole::kActivation;
+  // Index into TensorTable::buffers. Outputs of forwarding ops (Identity, Reshape,
+  // ...) share the buffer of their input instead of allocating one.
+  int buffer = -1;
+  std::vector<int> consumers;  // node indices, one entry per data input edge
+};
+
+struct NodeInfo {
+  const tensorflow::NodeDef* def = nullptr;
+  std::string device;  // short form, e.g. "CPU:0"; "" when unplaced
+  bool stateful = false;
+  bool backward = false;  // in or downstream of the gradient computation
+  std::vector<int> inputs;   // tensor indices of data inputs
+  std::vector<int> outputs;  // tensor indices
+};
+
+struct BufferInfo {
+  int owner = -1;  // tensor that allocated it
+  int64_t bytes = 0;
+  bool persistent = false;
+  std::string device;
+};
+
+struct TensorTable {
+  std::vector<NodeInfo> nodes;
+  std::vector<TensorInfo> tensors;
+  std::vector<BufferInfo> buffers;
+  absl::flat_hash_map<std::string, int> node_index;
+  std::vector<std::string> devices;  // sorted, every device a node is placed on
+  std::vector<int> fetch_tensors;    // kept alive to the end of the step
+  // Tensors with dimensions that stayed unknown; they count as 1 per unknown dim.
+  std::vector<int> unresolved_tensors;
+  int64_t batch_dims_resolved = 0;  // dimensions filled from assume_batch_size
+
+  std::string TensorName(int tensor) const;
+};
+
+// Short device name ("/job:localhost/replica:0/task:0/device:CPU:0" -> "CPU:0").
+std::string ShortDeviceName(const std::string& device);
+
+absl::Status BuildTensorTable(const tensorflow::grappler::GrapplerItem& item,
+                              const MemoryOptimizerOptions& options,
+                              TensorTable* table);
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_ANALYZE_TENSOR_TABLE_H_

@@ -1,0 +1,64 @@
+// Options of the TfMemOpt pass, parsed from the custom optimizer's parameter_map.
+//
+// The schema is protos/rewriter_config_ext.proto (tfmemopt.MemoryOptimizerConfig).
+// Each parameter_map key is one field name of that message. The C++ side cannot use
+// protoc-generated classes against TF's bundled protobuf, so the fields are listed
+// again in kOptionFields (memory_optimizer_options.cc); a Python test compares that
+// table with the proto so the two cannot drift apart.
+#ifndef TFMEMOPT_GRAPPLER_MEMORY_OPTIMIZER_OPTIONS_H_
+#define TFMEMOPT_GRAPPLER_MEMORY_OPTIMIZER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "tensorflow/core/protobuf/rewriter_config.pb.h"
+
+namespace tfmemopt {
+
+enum class Mode { kAuto = 0, kAnalyzeOnly = 1, kManual = 2 };
+
+struct MemoryOptimizerOptions {
+  // Per-device budget in bytes; 0 means "budget_fraction of the device memory".
+  int64_t budget_bytes = 0;
+  // Fraction of the device memory that the Grappler cluster reports, in (0, 1].
+  double budget_fraction = 0.9;
+  Mode mode = Mode::kAuto;
+  bool enable_swap = true;
+  bool enable_recompute = true;
+  bool enable_schedule = true;
+  // Below this size a tensor is never swapped or recomputed.
+  int64_t min_tensor_bytes = 1 << 20;
+  std::vector<std::string> exclude_scopes;
+  std::vector<std::string> include_scopes;
+  std::vector<std::string> exclude_op_types;
+  std::vector<std::string> include_op_types;
+  // Device <-> host copy bandwidth for the swap cost model; 0 = measured default.
+  double host_bandwidth_bytes_per_sec = 0;
+  bool fail_on_infeasible = false;
+  // 0 silent, 1 one INFO line per graph, 2 also the tensors at the peak.
+  int log_level = 1;
+  // Stand-in for an unknown batch dimension; 0 leaves it unresolved.
+  int64_t assume_batch_size = 0;
+  // Test-only: name of the stage that must fail ("" = none).
+  std::string test_only_fail_stage;
+};
+
+// Fills `options` from a custom optimizer entry. Unknown keys, values of the wrong
+// AttrValue kind and out-of-range values yield InvalidArgument naming the key, the
+// value and what is allowed. A null `config` leaves the defaults.
+absl::Status ParseMemoryOptimizerOptions(
+    const tensorflow::RewriterConfig_CustomGraphOptimizer* config,
+    MemoryOptimizerOptions* options);
+
+// The schema as the C++ side knows it, as JSON:
+// {"field": {"type": "int64|double|bool|string|enum|repeated_string",
+//            "default": ..., "values": [...enum names]}, ...}
+std::string OptionSchemaJson();
+
+const char* ModeName(Mode mode);
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_MEMORY_OPTIMIZER_OPTIONS_H_

@@ -1,0 +1,47 @@
+// tfmemopt._ext: the pass and its Python surface in one shared object, so that
+// `import tfmemopt` registers the pass exactly once and reads its reports.
+#include <string>
+#include <vector>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "grappler/memory_optimizer_options.h"
+#include "grappler/report/memory_report.h"
+#include "grappler/tfmemopt_optimizer.h"
+#include "tensorflow/core/protobuf/rewriter_config.pb.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_ext, m) {
+  m.doc() = "tfmemopt native extension: the TfMemOpt Grappler pass";
+  m.attr("PASS_NAME") = tfmemopt::kTfMemOptName;
+  // The TF version whose headers this was compiled against (set by CMake).
+  m.attr("BUILT_AGAINST_TF_VERSION") = TFMEMOPT_BUILT_AGAINST_TF;
+
+  if (!tfmemopt::RegisterTfMemOptOnce()) {
+    throw py::import_error(
+        "tfmemopt: a Grappler pass named 'TfMemOpt' is already registered by another "
+        "library (for example a Bazel-built libtfmemopt.so loaded with "
+        "tf.load_library). Load only one of them: registering twice aborts TensorFlow.");
+  }
+
+  m.def("reports", &tfmemopt::PublishedReports,
+        "JSON reports of every graph optimized in this process, newest last.");
+  m.def("clear_reports", &tfmemopt::ClearPublishedReports);
+  m.def("option_schema", &tfmemopt::OptionSchemaJson,
+        "The config fields as the C++ pass knows them (JSON).");
+  m.def(
+      "check_custom_optimizer",
+      [](py::bytes serialized) {
+        tensorflow::RewriterConfig_CustomGraphOptimizer config;
+        if (!config.ParseFromString(std::string(serialized))) {
+          return std::string("not a serialized RewriterConfig.CustomGraphOptimizer");
+        }
+        tfmemopt::MemoryOptimizerOptions options;
+        absl::Status status = tfmemopt::ParseMemoryOptimizerOptions(&config, &options);
+        return status.ok() ? std::string() : std::string(status.message());
+      },
+      "Parses a serialized custom optimizer entry as the pass's Init() does; returns "
+      "'' or the error message.");
+}

@@ -1,0 +1,168 @@
+#include "grappler/report/memory_report.h"
+
+#include <cstdio>
+#include <mutex>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace tfmemopt {
+namespace {
+
+std::string Quote(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          out += absl::StrFormat("\\u%04x", c);
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+template <typename T>
+std::string JsonList(const std::vector<T>& values) {
+  return absl::StrCat("[", absl::StrJoin(values, ","), "]");
+}
+
+struct Registry {
+  std::mutex mu;
+  int64_t next_token = 1;
+  std::vector<std::pair<int64_t, std::string>> reports;
+};
+
+Registry& GetRegistry() {
+  static auto* registry = new Registry;
+  return *registry;
+}
+
+}  // namespace
+
+std::string FormatBytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= (1LL << 30)) return absl::StrFormat("%.2f GiB", b / (1LL << 30));
+  if (b >= (1LL << 20)) return absl::StrFormat("%.1f MiB", b / (1LL << 20));
+  if (b >= (1LL << 10)) return absl::StrFormat("%.1f KiB", b / (1LL << 10));
+  return absl::StrCat(bytes, " B");
+}
+
+std::string MemoryReport::ToJson() const {
+  std::ostringstream out;
+  out << "{\"graph_id\":" << Quote(graph_id) << ",\"status\":" << Quote(status)
+      << ",\"failed_stage\":" << Quote(failed_stage) << ",\"message\":" << Quote(message)
+      << ",\"mode\":" << Quote(ModeName(options.mode))
+      << ",\"num_nodes\":" << num_nodes << ",\"num_tensors\":" << num_tensors
+      << ",\"unresolved_tensors\":" << unresolved_tensors
+      << ",\"unresolved_examples\":[";
+  for (size_t i = 0; i < unresolved_examples.size(); ++i) {
+    out << (i ? "," : "") << Quote(unresolved_examples[i]);
+  }
+  out << "],\"batch_dims_resolved\":" << batch_dims_resolved
+      << ",\"assume_batch_size\":" << options.assume_batch_size
+      << ",\"graph_changed\":" << (graph_changed ? "true" : "false")
+      << ",\"devices\":[";
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const DeviceReport& d = devices[i];
+    out << (i ? "," : "") << "{\"device\":" << Quote(d.device)
+        << ",\"memory_bytes\":" << d.memory_bytes
+        << ",\"memory_source\":" << Quote(d.memory_source)
+        << ",\"budget_bytes\":" << d.budget_bytes
+        << ",\"persistent_bytes\":" << d.persistent_bytes
+        << ",\"peak_before_bytes\":" << d.peak_before_bytes
+        << ",\"peak_after_bytes\":" << d.peak_after_bytes
+        << ",\"peak_step\":" << d.peak_step << ",\"top_tensors_at_peak\":[";
+    for (size_t j = 0; j < d.top_tensors_at_peak.size(); ++j) {
+      const PeakTensor& t = d.top_tensors_at_peak[j];
+      out << (j ? "," : "") << "{\"name\":" << Quote(t.name) << ",\"op\":" << Quote(t.op)
+          << ",\"role\":" << Quote(t.role) << ",\"bytes\":" << t.bytes << "}";
+    }
+    out << "]}";
+  }
+  out << "],\"timeline\":[";
+  for (size_t i = 0; i < timeline.size(); ++i) {
+    const DeviceTimeline& t = timeline[i];
+    out << (i ? "," : "") << "{\"device\":" << Quote(t.device)
+        << ",\"persistent_bytes\":" << t.persistent_bytes
+        << ",\"activation_bytes\":" << JsonList(t.activation_bytes)
+        << ",\"gradient_bytes\":" << JsonList(t.gradient_bytes) << "}";
+  }
+  out << "],\"stage_seconds\":{";
+  bool first = true;
+  for (const auto& [stage, seconds] : stage_seconds) {
+    out << (first ? "" : ",") << Quote(stage) << ":" << absl::StrFormat("%.6f", seconds);
+    first = false;
+  }
+  out << "},\"total_seconds\":" << absl::StrFormat("%.6f", total_seconds) << "}";
+  return out.str();
+}
+
+std::string MemoryReport::Summary() const {
+  std::string line = absl::StrCat("TfMemOpt: graph ", graph_id, ": ", num_nodes, " nodes");
+  if (status != "ok") {
+    return absl::StrCat(line, ": ", failed_stage, " failed (", message,
+                        "); the original graph is used");
+  }
+  std::vector<std::string> peaks;
+  for (const DeviceReport& d : devices) {
+    std::string peak = absl::StrCat(d.device.empty() ? "unplaced" : d.device, " ",
+                                    FormatBytes(d.peak_before_bytes));
+    if (d.peak_after_bytes != d.peak_before_bytes) {
+      absl::StrAppend(&peak, " -> ", FormatBytes(d.peak_after_bytes));
+    }
+    absl::StrAppend(&peak, d.budget_bytes > 0
+                               ? absl::StrCat(" (budget ", FormatBytes(d.budget_bytes), ")")
+                               : " (no budget known)");
+    peaks.push_back(peak);
+  }
+  absl::StrAppend(&line, ", predicted peak ", absl::StrJoin(peaks, ", "));
+  if (unresolved_tensors > 0) {
+    absl::StrAppend(&line, "; ", unresolved_tensors,
+                    " tensors have unknown dimensions (counted as 1; set "
+                    "assume_batch_size)");
+  }
+  if (options.mode == Mode::kAnalyzeOnly) absl::StrAppend(&line, " [analyze only]");
+  return line;
+}
+
+int64_t PublishReport(int64_t token, const std::string& json) {
+  Registry& registry = GetRegistry();
+  std::lock_guard<std::mutex> lock(registry.mu);
+  if (token > 0) {
+    for (auto& entry : registry.reports) {
+      if (entry.first == token) {
+        entry.second = json;
+        return token;
+      }
+    }
+  }
+  token = registry.next_token++;
+  registry.reports.emplace_back(token, json);
+  return token;
+}
+
+std::vector<std::string> PublishedReports() {
+  Registry& registry = GetRegistry();
+  std::lock_guard<std::mutex> lock(registry.mu);
+  std::vector<std::string> out;
+  for (const auto& entry : registry.reports) out.push_back(entry.second);
+  return out;
+}
+
+void ClearPublishedReports() {
+  Registry& registry = GetRegistry();
+  std::lock_guard<std::mutex> lock(registry.mu);
+  registry.reports.clear();
+}
+
+}  // namespace tfmemopt

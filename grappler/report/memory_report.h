@@ -1,0 +1,69 @@
+// Report: what the pass found and did for one graph, as JSON for Python and as one
+// log line, plus the process-wide list that tfmemopt.reports() reads.
+#ifndef TFMEMOPT_GRAPPLER_REPORT_MEMORY_REPORT_H_
+#define TFMEMOPT_GRAPPLER_REPORT_MEMORY_REPORT_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "grappler/analyze/tensor_table.h"
+#include "grappler/memory_optimizer_options.h"
+#include "grappler/simulate/liveness_simulator.h"
+
+namespace tfmemopt {
+
+struct PeakTensor {
+  std::string name;
+  std::string op;
+  std::string role;
+  int64_t bytes = 0;
+};
+
+struct DeviceReport {
+  std::string device;
+  int64_t memory_bytes = 0;  // as the Grappler cluster reports it (0 = unknown)
+  std::string memory_source;  // "cluster", "TF_CPU_BFC_MEM_LIMIT_IN_MB", "none"
+  int64_t budget_bytes = 0;   // 0 = no budget known
+  int64_t persistent_bytes = 0;
+  int64_t peak_before_bytes = 0;
+  int64_t peak_after_bytes = 0;
+  int peak_step = -1;
+  std::vector<PeakTensor> top_tensors_at_peak;  // 10 largest
+};
+
+struct MemoryReport {
+  std::string graph_id;
+  std::string status = "ok";  // "ok" | "fallback"
+  std::string failed_stage;   // set when status == "fallback"
+  std::string message;
+  MemoryOptimizerOptions options;
+  int num_nodes = 0;
+  int num_tensors = 0;
+  int unresolved_tensors = 0;
+  std::vector<std::string> unresolved_examples;  // a few names, for the user
+  int64_t batch_dims_resolved = 0;
+  bool graph_changed = false;
+  std::vector<DeviceReport> devices;
+  // Timeline of the final order: per device, transient bytes per step by role.
+  std::vector<DeviceTimeline> timeline;
+  std::map<std::string, double> stage_seconds;
+  double total_seconds = 0;
+
+  std::string ToJson() const;
+  // The one INFO line per graph.
+  std::string Summary() const;
+};
+
+std::string FormatBytes(int64_t bytes);
+
+// Process-wide list of reports, newest last. A token names a graph's entry so that
+// the meta-optimizer's second iteration over the same graph replaces it.
+int64_t PublishReport(int64_t token, const std::string& json);
+std::vector<std::string> PublishedReports();
+void ClearPublishedReports();
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_REPORT_MEMORY_REPORT_H_

@@ -1,0 +1,144 @@
+#include "grappler/simulate/liveness_simulator.h"
+
+#include <algorithm>
+#include <functional>
+
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/grappler/utils/topological_sort.h"
+
+namespace tfmemopt {
+
+absl::Status TopologicalOrder(const tensorflow::GraphDef& graph,
+                              const TensorTable& table, std::vector<int>* order) {
+  std::vector<const tensorflow::NodeDef*> topo;
+  absl::Status status = tensorflow::grappler::ComputeTopologicalOrder(graph, &topo);
+  if (!status.ok()) return status;
+  order->clear();
+  order->reserve(topo.size());
+  for (const tensorflow::NodeDef* node : topo) {
+    auto it = table.node_index.find(node->name());
+    if (it == table.node_index.end()) {
+      return absl::InternalError(absl::StrCat("order names unknown node ", node->name()));
+    }
+    order->push_back(it->second);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
+                      SimulationResult* result) {
+  result->order = order;
+  result->devices.clear();
+  const int num_devices = static_cast<int>(table.devices.size());
+  std::vector<int> device_of_buffer(table.buffers.size(), 0);
+  for (size_t b = 0; b < table.buffers.size(); ++b) {
+    auto it = std::lower_bound(table.devices.begin(), table.devices.end(),
+                               table.buffers[b].device);
+    device_of_buffer[b] = static_cast<int>(it - table.devices.begin());
+  }
+  for (int d = 0; d < num_devices; ++d) {
+    DeviceTimeline timeline;
+    timeline.device = table.devices[d];
+    timeline.activation_bytes.reserve(order.size());
+    timeline.gradient_bytes.reserve(order.size());
+    result->devices.push_back(std::move(timeline));
+  }
+
+  for (size_t b = 0; b < table.buffers.size(); ++b) {
+    if (table.buffers[b].persistent) {
+      result->devices[device_of_buffer[b]].persistent_bytes += table.buffers[b].bytes;
+    }
+  }
+  std::vector<bool> ran(table.nodes.size(), false);
+  for (int n : order) {
+    if (n < 0 || n >= static_cast<int>(table.nodes.size()) || ran[n]) {
+      return absl::InvalidArgumentError(absl::StrCat("bad order entry ", n));
+    }
+    ran[n] = true;
+  }
+
+  // Runs the order up to and including step `last`; `on_step` sees the live set
+  // between allocation and release.
+  std::vector<bool> live;
+  std::vector<int64_t> activation, gradient;
+  auto run = [&](size_t last, const std::function<void(size_t)>& on_step) {
+    // Remaining reads per buffer: every consumer edge of every tensor on it. A
+    // fetched tensor holds one extra read that is never released.
+    std::vector<int64_t> pending(table.buffers.size(), 0);
+    for (const TensorInfo& tensor : table.tensors) {
+      pending[tensor.buffer] += static_cast<int64_t>(tensor.consumers.size());
+    }
+    for (int t : table.fetch_tensors) ++pending[table.tensors[t].buffer];
+    live.assign(table.buffers.size(), false);
+    activation.assign(num_devices, 0);
+    gradient.assign(num_devices, 0);
+    auto add = [&](int b, int64_t sign) {
+      const BufferInfo& buffer = table.buffers[b];
+      const int d = device_of_buffer[b];
+      if (table.tensors[buffer.owner].role == TensorRole::kGradient) {
+        gradient[d] += sign * buffer.bytes;
+      } else {
+        activation[d] += sign * buffer.bytes;
+      }
+    };
+    auto release = [&](int b) {
+      if (pending[b] == 0 && live[b]) {
+        live[b] = false;
+        add(b, -1);
+      }
+    };
+    for (size_t step = 0; step <= last && step < order.size(); ++step) {
+      const NodeInfo& node = table.nodes[order[step]];
+      for (int t : node.outputs) {
+        const int b = table.tensors[t].buffer;
+        // Forwarded outputs were counted when their buffer's owner ran.
+        if (table.buffers[b].persistent || live[b] || table.buffers[b].owner != t) continue;
+        live[b] = true;
+        add(b, +1);
+      }
+      on_step(step);
+      for (int t : node.inputs) {
+        const int b = table.tensors[t].buffer;
+        --pending[b];
+        release(b);
+      }
+      for (int t : node.outputs) release(table.tensors[t].buffer);
+    }
+  };
+
+  run(order.size(), [&](size_t step) {
+    for (int d = 0; d < num_devices; ++d) {
+      DeviceTimeline& timeline = result->devices[d];
+      const int64_t total = timeline.persistent_bytes + activation[d] + gradient[d];
+      if (total > timeline.peak_bytes || timeline.peak_step < 0) {
+        timeline.peak_bytes = total;
+        timeline.peak_step = static_cast<int>(step);
+      }
+      timeline.activation_bytes.push_back(activation[d]);
+      timeline.gradient_bytes.push_back(gradient[d]);
+    }
+  });
+  for (int d = 0; d < num_devices; ++d) {
+    DeviceTimeline& timeline = result->devices[d];
+    if (timeline.peak_step < 0) continue;
+    const size_t peak_step = static_cast<size_t>(timeline.peak_step);
+    run(peak_step, [&](size_t step) {
+      if (step != peak_step) return;
+      for (size_t b = 0; b < live.size(); ++b) {
+        if (live[b] && device_of_buffer[b] == d) timeline.live_at_peak.push_back(b);
+      }
+    });
+  }
+  for (DeviceTimeline& timeline : result->devices) {
+    std::sort(timeline.live_at_peak.begin(), timeline.live_at_peak.end(),
+              [&](int a, int b) {
+                if (table.buffers[a].bytes != table.buffers[b].bytes) {
+                  return table.buffers[a].bytes > table.buffers[b].bytes;
+                }
+                return a < b;
+              });
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tfmemopt

@@ -1,0 +1,51 @@
+// Simulate: live bytes per device at every step of an execution order.
+//
+// The planner, the report and the tests all use this one simulator, so that "the
+// plan fits" and "the report says it fits" cannot disagree.
+//
+// Model: a step runs one node. Its output buffers are allocated, then (inputs and
+// outputs both live) the step's live bytes are taken, then every buffer whose last
+// reader was this node is freed. Persistent buffers (variables, constants) are live
+// for the whole step. Fetched tensors are never freed. Forwarding ops share buffers
+// (TensorTable::buffers), so a Reshape costs nothing and extends its input's life.
+#ifndef TFMEMOPT_GRAPPLER_SIMULATE_LIVENESS_SIMULATOR_H_
+#define TFMEMOPT_GRAPPLER_SIMULATE_LIVENESS_SIMULATOR_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "grappler/analyze/tensor_table.h"
+
+namespace tfmemopt {
+
+struct DeviceTimeline {
+  std::string device;
+  int64_t persistent_bytes = 0;
+  // Peak of persistent + transient bytes, and the first step that reaches it.
+  int64_t peak_bytes = 0;
+  int peak_step = -1;
+  // Transient live bytes after each step of the order, by role (indexed by
+  // TensorRole); the persistent part is constant and kept above.
+  std::vector<int64_t> activation_bytes;
+  std::vector<int64_t> gradient_bytes;
+  // Buffers live at the peak step, largest first (buffer indices).
+  std::vector<int> live_at_peak;
+};
+
+struct SimulationResult {
+  std::vector<int> order;  // node indices, the order simulated
+  std::vector<DeviceTimeline> devices;  // same order as TensorTable::devices
+};
+
+// Topological order of the table's graph (Grappler's ComputeTopologicalOrder).
+absl::Status TopologicalOrder(const tensorflow::GraphDef& graph,
+                              const TensorTable& table, std::vector<int>* order);
+
+absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
+                      SimulationResult* result);
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_SIMULATE_LIVENESS_SIMULATOR_H_

@@ -1,0 +1,264 @@
+#include "grappler/tfmemopt_optimizer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <mutex>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "grappler/analyze/tensor_table.h"
+#include "grappler/report/memory_report.h"
+#include "grappler/simulate/liveness_simulator.h"
+#include "grappler/verify/graph_verifier.h"
+#include "tensorflow/core/grappler/clusters/cluster.h"
+#include "tensorflow/core/grappler/optimizers/custom_graph_optimizer_registry.h"
+#include "tensorflow/core/platform/logging.h"
+
+namespace tfmemopt {
+namespace {
+
+using tensorflow::grappler::Cluster;
+using tensorflow::grappler::GrapplerItem;
+
+// Nodes this pass adds are named under this scope; their presence means the graph
+// is our own output (second meta-optimizer iteration), so nothing is planned again.
+constexpr char kOwnScope[] = "TfMemOpt/";
+
+bool IsOwnOutput(const tensorflow::GraphDef& graph) {
+  for (const auto& node : graph.node()) {
+    if (absl::StartsWith(node.name(), kOwnScope)) return true;
+  }
+  return false;
+}
+
+// TF's CPU test bed caps its BFC allocator through the environment; the Grappler
+// cluster does not know about it, so it is read here.
+int64_t CpuBfcLimitBytes() {
+  const char* use_bfc = std::getenv("TF_CPU_ALLOCATOR_USE_BFC");
+  const char* limit_mb = std::getenv("TF_CPU_BFC_MEM_LIMIT_IN_MB");
+  if (use_bfc == nullptr || limit_mb == nullptr) return 0;
+  const std::string flag(use_bfc);
+  if (flag != "true" && flag != "1" && flag != "True") return 0;
+  char* end = nullptr;
+  const long long mb = std::strtoll(limit_mb, &end, 10);
+  if (end == limit_mb || mb <= 0) return 0;
+  return static_cast<int64_t>(mb) << 20;
+}
+
+void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
+  device->memory_source = "none";
+  if (absl::StartsWith(device->device, "CPU")) {
+    const int64_t bfc_limit = CpuBfcLimitBytes();
+    if (bfc_limit > 0) {
+      device->memory_bytes = bfc_limit;
+      device->memory_source = "TF_CPU_BFC_MEM_LIMIT_IN_MB";
+      return;
+    }
+  }
+  if (cluster == nullptr) return;
+  for (const auto& [name, properties] : cluster->GetDevices()) {
+    if (ShortDeviceName(name) == device->device && properties.memory_size() > 0) {
+      device->memory_bytes = properties.memory_size();
+      device->memory_source = "cluster";
+      return;
+    }
+  }
+  // Unplaced graphs (e.g. Session graphs before placement) run on the cluster's
+  // only device when there is just one.
+  if (device->device.empty() && cluster->GetDevices().size() == 1) {
+    device->memory_bytes = cluster->GetDevices().begin()->second.memory_size();
+    device->memory_source = "cluster";
+  }
+}
+
+class StageRunner {
+ public:
+  StageRunner(const MemoryOptimizerOptions& options, MemoryReport* report)
+      : options_(options), report_(report) {}
+
+  // Runs one stage, timed; a forced failure (test_only_fail_stage) stands in for
+  // any error the stage could raise.
+  absl::Status Run(const char* stage, const std::function<absl::Status()>& body) {
+    current_ = stage;
+    if (options_.test_only_fail_stage == stage) {
+      return absl::InternalError("forced failure (test_only_fail_stage)");
+    }
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status status = body();
+    report_->stage_seconds[stage] +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return status;
+  }
+  const std::string& current() const { return current_; }
+
+ private:
+  const MemoryOptimizerOptions& options_;
+  MemoryReport* report_;
+  std::string current_;
+};
+
+void FillPeakTensors(const TensorTable& table, const DeviceTimeline& timeline,
+                     DeviceReport* device) {
+  for (int b : timeline.live_at_peak) {
+    if (device->top_tensors_at_peak.size() >= 10) break;
+    const int owner = table.buffers[b].owner;
+    const TensorInfo& tensor = table.tensors[owner];
+    PeakTensor peak;
+    peak.name = table.TensorName(owner);
+    peak.op = table.nodes[tensor.node].def->op();
+    peak.role = TensorRoleName(tensor.role);
+    peak.bytes = table.buffers[b].bytes;
+    device->top_tensors_at_peak.push_back(peak);
+  }
+}
+
+absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster,
+                         const GrapplerItem& item, tensorflow::GraphDef* output,
+                         MemoryReport* report, StageRunner* stages) {
+  TensorTable table;
+  absl::Status status = stages->Run("analyze", [&] {
+    return BuildTensorTable(item, options, &table);
+  });
+  if (!status.ok()) return status;
+  report->num_tensors = static_cast<int>(table.tensors.size());
+  report->unresolved_tensors = static_cast<int>(table.unresolved_tensors.size());
+  for (int t : table.unresolved_tensors) {
+    if (report->unresolved_examples.size() >= 5) break;
+    report->unresolved_examples.push_back(table.TensorName(t));
+  }
+  report->batch_dims_resolved = table.batch_dims_resolved;
+
+  SimulationResult before;
+  status = stages->Run("simulate", [&] {
+    std::vector<int> order;
+    absl::Status s = TopologicalOrder(item.graph, table, &order);
+    if (!s.ok()) return s;
+    return Simulate(table, order, &before);
+  });
+  if (!status.ok()) return status;
+
+  // Plan. The budget per device is settled here; the memory-saving mechanisms
+  // (swap, recompute, scheduling) plug in at this point as they land.
+  status = stages->Run("plan", [&] {
+    for (size_t d = 0; d < table.devices.size(); ++d) {
+      DeviceReport device;
+      device.device = table.devices[d];
+      DescribeDeviceMemory(cluster, &device);
+      if (options.budget_bytes > 0) {
+        device.budget_bytes = options.budget_bytes;
+      } else if (device.memory_bytes > 0) {
+        device.budget_bytes = static_cast<int64_t>(
+            options.budget_fraction * static_cast<double>(device.memory_bytes));
+      }
+      const DeviceTimeline& timeline = before.devices[d];
+      device.persistent_bytes = timeline.persistent_bytes;
+      device.peak_before_bytes = timeline.peak_bytes;
+      device.peak_after_bytes = timeline.peak_bytes;
+      device.peak_step = timeline.peak_step;
+      FillPeakTensors(table, timeline, &device);
+      report->devices.push_back(device);
+    }
+    if (IsOwnOutput(item.graph)) report->message = "graph already optimized by TfMemOpt";
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  report->timeline = before.devices;
+
+  status = stages->Run("verify", [&] { return VerifyOptimizedGraph(item, *output); });
+  if (!status.ok()) return status;
+  report->graph_changed = false;
+
+  return stages->Run("report", [] { return absl::OkStatus(); });
+}
+
+// An over-budget graph under fail_on_infeasible is the user's error, not ours: it
+// is returned as such so that the meta-optimizer reports it (and drops our output).
+absl::Status InfeasibleError(const MemoryOptimizerOptions& options,
+                             const MemoryReport& report) {
+  if (!options.fail_on_infeasible || options.mode == Mode::kAnalyzeOnly ||
+      report.status != "ok") {
+    return absl::OkStatus();
+  }
+  for (const DeviceReport& d : report.devices) {
+    if (d.budget_bytes > 0 && d.peak_after_bytes > d.budget_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "TfMemOpt: graph ", report.graph_id, ": budget ", FormatBytes(d.budget_bytes),
+          " cannot be met on ", d.device, "; the smallest peak reachable is ",
+          FormatBytes(d.peak_after_bytes), " (fail_on_infeasible is set)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status TfMemOptOptimizer::Init(
+    const tensorflow::RewriterConfig_CustomGraphOptimizer* config) {
+  return ParseMemoryOptimizerOptions(config, &options_);
+}
+
+absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& item,
+                                         tensorflow::GraphDef* optimized_graph) {
+  const auto start = std::chrono::steady_clock::now();
+  *optimized_graph = item.graph;
+  MemoryReport report;
+  report.graph_id = item.id;
+  report.options = options_;
+  report.num_nodes = item.graph.node_size();
+  StageRunner stages(options_, &report);
+  absl::Status status;
+  try {
+    status = RunPipeline(options_, cluster, item, optimized_graph, &report, &stages);
+  } catch (const std::exception& e) {
+    status = absl::InternalError(absl::StrCat("exception: ", e.what()));
+  } catch (...) {
+    status = absl::InternalError("unknown exception");
+  }
+  if (!status.ok()) {
+    *optimized_graph = item.graph;
+    report.status = "fallback";
+    report.failed_stage = stages.current();
+    report.message = std::string(status.message());
+    report.graph_changed = false;
+  }
+  report.total_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  if (report.status != "ok") {
+    LOG(WARNING) << report.Summary();
+  } else if (options_.log_level >= 1) {
+    LOG(INFO) << report.Summary();
+  }
+  if (options_.log_level >= 2) {
+    for (const DeviceReport& d : report.devices) {
+      for (const PeakTensor& t : d.top_tensors_at_peak) {
+        LOG(INFO) << "TfMemOpt:   at peak on " << d.device << ": " << t.name << " ("
+                  << t.op << ", " << t.role << ") " << FormatBytes(t.bytes);
+      }
+    }
+  }
+  auto token = report_tokens_.find(item.id);
+  report_tokens_[item.id] =
+      PublishReport(token == report_tokens_.end() ? 0 : token->second, report.ToJson());
+  return InfeasibleError(options_, report);
+}
+
+bool RegisterTfMemOptOnce() {
+  static std::mutex mu;
+  static bool registered_here = false;
+  std::lock_guard<std::mutex> lock(mu);
+  if (registered_here) return true;
+  for (const std::string& name :
+       tensorflow::grappler::CustomGraphOptimizerRegistry::GetRegisteredOptimizers()) {
+    if (name == kTfMemOptName) return false;
+  }
+  tensorflow::grappler::CustomGraphOptimizerRegistry::RegisterOptimizerOrDie(
+      [] { return new TfMemOptOptimizer; }, kTfMemOptName);
+  registered_here = true;
+  return true;
+}
+
+}  // namespace tfmemopt

@@ -1,0 +1,57 @@
+// TfMemOpt: the tfmemopt Grappler pass.
+//
+// Registered as "TfMemOpt" in CustomGraphOptimizerRegistry, it runs after TF's
+// built-in optimizers whenever a graph function or Session graph is built. The
+// pipeline is analyze -> simulate -> plan -> rewrite -> verify -> report; each stage
+// lives in its own directory under grappler/.
+//
+// Guarantees:
+//  * Nothing lost: if any stage fails, the original graph is returned and one
+//    WARNING line names the stage and the reason. TF never fails because of us.
+//  * Idempotent: the meta-optimizer runs custom optimizers in every iteration; a
+//    second run over our own output changes nothing and replaces (not duplicates)
+//    the graph's report.
+#ifndef TFMEMOPT_GRAPPLER_TFMEMOPT_OPTIMIZER_H_
+#define TFMEMOPT_GRAPPLER_TFMEMOPT_OPTIMIZER_H_
+
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "grappler/memory_optimizer_options.h"
+#include "tensorflow/core/grappler/optimizers/custom_graph_optimizer.h"
+
+namespace tfmemopt {
+
+inline constexpr char kTfMemOptName[] = "TfMemOpt";
+
+class TfMemOptOptimizer : public tensorflow::grappler::CustomGraphOptimizer {
+ public:
+  TfMemOptOptimizer() = default;
+  ~TfMemOptOptimizer() override = default;
+
+  std::string name() const override { return kTfMemOptName; }
+  bool UsesFunctionLibrary() const override { return false; }
+
+  absl::Status Init(
+      const tensorflow::RewriterConfig_CustomGraphOptimizer* config) override;
+
+  absl::Status Optimize(tensorflow::grappler::Cluster* cluster,
+                        const tensorflow::grappler::GrapplerItem& item,
+                        tensorflow::GraphDef* optimized_graph) override;
+
+  const MemoryOptimizerOptions& options() const { return options_; }
+
+ private:
+  MemoryOptimizerOptions options_;
+  // Report token per graph id: one optimizer instance serves both meta-optimizer
+  // iterations of a graph, and the second must replace the first's report.
+  absl::flat_hash_map<std::string, int64_t> report_tokens_;
+};
+
+// Registers TfMemOpt with Grappler unless a pass of that name is registered
+// already. Returns false in that case: registering twice aborts the process.
+bool RegisterTfMemOptOnce();
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_TFMEMOPT_OPTIMIZER_H_

@@ -1,0 +1,41 @@
+#include "grappler/verify/graph_verifier.h"
+
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/grappler/utils.h"
+#include "tensorflow/core/grappler/utils/topological_sort.h"
+
+namespace tfmemopt {
+
+absl::Status VerifyOptimizedGraph(const tensorflow::grappler::GrapplerItem& item,
+                                  const tensorflow::GraphDef& optimized) {
+  absl::flat_hash_set<std::string> names;
+  for (const auto& node : optimized.node()) {
+    if (!names.insert(node.name()).second) {
+      return absl::InternalError(absl::StrCat("duplicate node name ", node.name()));
+    }
+  }
+  for (const auto& node : optimized.node()) {
+    for (const std::string& input : node.input()) {
+      if (!names.contains(tensorflow::grappler::NodeName(input))) {
+        return absl::InternalError(
+            absl::StrCat("node ", node.name(), " reads missing input ", input));
+      }
+    }
+  }
+  for (const std::string& keep : item.NodesToPreserve()) {
+    if (!names.contains(keep)) {
+      return absl::InternalError(absl::StrCat("preserved node ", keep, " was removed"));
+    }
+  }
+  std::vector<const tensorflow::NodeDef*> order;
+  absl::Status acyclic = tensorflow::grappler::ComputeTopologicalOrder(optimized, &order);
+  if (!acyclic.ok()) {
+    return absl::InternalError(absl::StrCat("graph has a cycle: ", acyclic.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tfmemopt

@@ -1,0 +1,88 @@
+"""tfmemopt: a memory optimizer for TensorFlow training (a Grappler pass).
+
+One line enables it for everything traced afterwards:
+
+    import tfmemopt
+    tfmemopt.enable(budget="6GiB")      # or a fraction of device memory, e.g. 0.8
+
+For v1 Sessions: tf.compat.v1.Session(config=tfmemopt.config_proto(budget="6GiB")).
+"""
+
+import json as _json
+import threading as _threading
+
+from tfmemopt._loader import load_extension as _load_extension
+
+_ext = _load_extension()
+
+from tfmemopt import _eager_context  # noqa: E402
+from tfmemopt.config import (  # noqa: E402
+    PASS_NAME,
+    MemoryOptimizerConfig,
+    config_proto,
+    custom_optimizer_entry,
+    make_config,
+    parse_size,
+    rewriter_config,
+)
+from tfmemopt.report import Report  # noqa: E402
+
+__version__ = "0.1.0"
+
+_lock = _threading.Lock()
+_enabled = None  # the MemoryOptimizerConfig in force, or None
+
+
+def enable(budget=None, **fields):
+    """Runs TfMemOpt on every tf.function, Keras fit and distribute graph traced
+    afterwards, in any thread.
+
+    budget: bytes (int), a size string ('6GiB', '512MB') or a fraction of the device
+    memory in (0, 1]; default: budget_fraction=0.9. Other keywords are fields of
+    tfmemopt.MemoryOptimizerConfig (see README). Invalid arguments raise
+    ValueError/TypeError before anything changes. Returns the config in force.
+    """
+    global _enabled
+    config = make_config(budget, **fields)
+    with _lock:
+        _eager_context.set_custom_optimizer(custom_optimizer_entry(config), PASS_NAME)
+        _enabled = config
+    return config
+
+
+def disable():
+    """Undoes enable(): graphs traced afterwards no longer run TfMemOpt."""
+    global _enabled
+    with _lock:
+        _eager_context.set_custom_optimizer(None, PASS_NAME)
+        _enabled = None
+
+
+def enabled_config():
+    """The MemoryOptimizerConfig set by enable(), or None."""
+    return _enabled
+
+
+def reports():
+    """One Report per graph the pass optimized in this process, newest last."""
+    return [Report(_json.loads(text)) for text in _ext.reports()]
+
+
+def clear_reports():
+    _ext.clear_reports()
+
+
+__all__ = [
+    "MemoryOptimizerConfig",
+    "PASS_NAME",
+    "Report",
+    "clear_reports",
+    "config_proto",
+    "disable",
+    "enable",
+    "enabled_config",
+    "make_config",
+    "parse_size",
+    "reports",
+    "rewriter_config",
+]
