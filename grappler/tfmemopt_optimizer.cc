@@ -7,6 +7,8 @@
 #include <functional>
 #include <mutex>
 
+#include <unistd.h>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grappler/analyze/tensor_table.h"
@@ -48,13 +50,27 @@ int64_t CpuBfcLimitBytes() {
   return static_cast<int64_t>(mb) << 20;
 }
 
+int64_t HostRamBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : 0;
+}
+
+// Grappler's clusters describe a CPU with a nominal memory size (256 MiB in TF
+// 2.21's VirtualCluster), so CPU memory is the BFC cap of the test bed if one is
+// set, else the host's RAM.
 void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
   device->memory_source = "none";
-  if (absl::StartsWith(device->device, "CPU")) {
+  if (absl::StartsWith(device->device, "CPU") || device->device.empty()) {
     const int64_t bfc_limit = CpuBfcLimitBytes();
     if (bfc_limit > 0) {
       device->memory_bytes = bfc_limit;
       device->memory_source = "TF_CPU_BFC_MEM_LIMIT_IN_MB";
+      return;
+    }
+    if (absl::StartsWith(device->device, "CPU")) {
+      device->memory_bytes = HostRamBytes();
+      device->memory_source = "host_ram";
       return;
     }
   }
@@ -130,6 +146,15 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->unresolved_examples.push_back(table.TensorName(t));
   }
   report->batch_dims_resolved = table.batch_dims_resolved;
+  if (VLOG_IS_ON(1)) {
+    for (const BufferInfo& buffer : table.buffers) {
+      if (!buffer.persistent || buffer.bytes == 0) continue;
+      VLOG(1) << "TfMemOpt: graph " << item.id << ": persistent "
+              << table.TensorName(buffer.owner) << " ("
+              << table.nodes[table.tensors[buffer.owner].node].def->op() << ") "
+              << FormatBytes(buffer.bytes);
+    }
+  }
 
   SimulationResult before;
   status = stages->Run("simulate", [&] {

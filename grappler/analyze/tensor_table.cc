@@ -22,11 +22,13 @@ using tensorflow::grappler::GraphProperties;
 using tensorflow::grappler::GrapplerItem;
 
 // Ops whose output i is the buffer of input i (TF forwards it, no allocation).
+// ReadVariableOp hands out the variable's own buffer (copy-on-write), so its
+// output is the variable's persistent memory, not a new tensor.
 bool ForwardsInputBuffer(const NodeDef& node) {
   static const auto* ops = new std::set<std::string>{
       "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims",
       "StopGradient", "PreventGradient", "EnsureShape", "Bitcast",
-      "_Retval", "Snapshot"};
+      "_Retval", "Snapshot", "ReadVariableOp"};
   return ops->count(node.op()) > 0;
 }
 
@@ -45,9 +47,13 @@ bool IsGraphInput(const NodeDef& node) {
          node.op() == "PlaceholderWithDefault";
 }
 
+// Constants are held by their kernel and variables by their resource: both live
+// for the whole step. (grappler::IsVariable also matches ReadVariableOp, which is
+// a forward, so the variable ops are listed here.)
 bool IsPersistentProducer(const NodeDef& node) {
-  return tensorflow::grappler::IsConstant(node) ||
-         tensorflow::grappler::IsVariable(node);
+  static const auto* variables = new std::set<std::string>{
+      "VarHandleOp", "_VarHandlesOp", "VariableV2", "Variable", "AutoReloadVariable"};
+  return tensorflow::grappler::IsConstant(node) || variables->count(node.op()) > 0;
 }
 
 struct ShapeBytes {

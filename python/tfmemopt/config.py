@@ -104,39 +104,43 @@ def _budget_fields(budget):
 def _type_name(field):
     if _is_repeated(field):
         return "a list of str"
+    if field.type == _FD.TYPE_ENUM:
+        return "one of " + ", ".join(repr(v.name) for v in field.enum_type.values)
     return {
         _FD.TYPE_INT64: "an int", _FD.TYPE_INT32: "an int", _FD.TYPE_DOUBLE: "a float",
         _FD.TYPE_BOOL: "a bool", _FD.TYPE_STRING: "a str",
-        _FD.TYPE_ENUM: "one of " + ", ".join(repr(v.name) for v in field.enum_type.values),
     }[field.type]
 
 
 def _set_field(message, name, value):
     field = _FIELDS[name]
-    bad_type = TypeError(
-        f"tfmemopt: {name}={value!r} has type {type(value).__name__}; "
-        f"allowed: {_type_name(field)}"
-    )
+
+    def bad_type():
+        return TypeError(
+            f"tfmemopt: {name}={value!r} has type {type(value).__name__}; "
+            f"allowed: {_type_name(field)}"
+        )
+
     if _is_repeated(field):
         values = [value] if isinstance(value, str) else value
         if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
-            raise bad_type
+            raise bad_type()
         getattr(message, name).extend(values)
     elif field.type == _FD.TYPE_BOOL:
         if not isinstance(value, bool):
-            raise bad_type
+            raise bad_type()
         setattr(message, name, value)
     elif field.type in (_FD.TYPE_INT64, _FD.TYPE_INT32):
         if isinstance(value, str) and name.endswith("_bytes"):
             value = parse_size(value, field=name)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise bad_type
+            raise bad_type()
         if not -(2**63) <= value < 2**63:
             raise ValueError(f"tfmemopt: {name}={value} is out of the int64 range")
         setattr(message, name, value)
     elif field.type == _FD.TYPE_DOUBLE:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad_type
+            raise bad_type()
         setattr(message, name, float(value))
     elif field.type == _FD.TYPE_ENUM:
         names = {v.name: v.number for v in field.enum_type.values}
@@ -147,10 +151,10 @@ def _set_field(message, name, value):
         elif isinstance(value, (str, int)) and not isinstance(value, bool):
             raise ValueError(f"tfmemopt: {name}={value!r}; allowed: {_type_name(field)}")
         else:
-            raise bad_type
+            raise bad_type()
     else:  # string
         if not isinstance(value, str):
-            raise bad_type
+            raise bad_type()
         setattr(message, name, value)
 
 
