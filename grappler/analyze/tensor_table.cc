@@ -240,26 +240,30 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
     }
   }
 
-  // Backward = in a gradient scope or downstream of one (data or control edges).
+  // Backward = in a gradient scope or downstream of one, along data edges. Nodes
+  // that only hand out metadata or persistent memory neither start nor pass it on:
+  // after Grappler's deduplication one variable read or constant often serves both
+  // passes under a "gradient_tape/" name, and following it (or control edges, which
+  // order the optimizer update after everything) would mark the forward pass too.
+  auto neutral = [](const NodeDef& node) {
+    static const auto* ops = new std::set<std::string>{
+        "ReadVariableOp", "Const", "HostConst", "VarHandleOp", "_Arg", "Placeholder",
+        "Shape", "ShapeN", "Size", "Rank", "NoOp"};
+    return ops->count(node.op()) > 0;
+  };
   std::deque<int> frontier;
   for (int i = 0; i < graph.node_size(); ++i) {
-    if (InGradientScope(graph.node(i).name())) {
+    if (InGradientScope(graph.node(i).name()) && !neutral(graph.node(i))) {
       table->nodes[i].backward = true;
       frontier.push_back(i);
     }
   }
-  std::vector<std::vector<int>> fanout(graph.node_size());
-  for (int i = 0; i < graph.node_size(); ++i) {
-    for (const std::string& input : graph.node(i).input()) {
-      auto it = table->node_index.find(tensorflow::grappler::NodeName(input));
-      if (it != table->node_index.end()) fanout[it->second].push_back(i);
-    }
-  }
   while (!frontier.empty()) {
-    int n = frontier.front();
+    const int n = frontier.front();
     frontier.pop_front();
-    for (int next : fanout[n]) {
-      if (!table->nodes[next].backward) {
+    for (int t : table->nodes[n].outputs) {
+      for (int next : table->tensors[t].consumers) {
+        if (table->nodes[next].backward || neutral(graph.node(next))) continue;
         table->nodes[next].backward = true;
         frontier.push_back(next);
       }

@@ -1,0 +1,5 @@
+import sys
+
+from tfmemopt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,49 @@
+"""The tensor table and simulator on a real CNN train step: sizes, roles, peak."""
+
+import tfmemopt
+from tfmemopt.demo import seed_cnn_train_step
+
+BATCH = 128
+
+
+def cnn_report(**fields):
+    tfmemopt.enable(log_level=0, **fields)
+    step, x, y = seed_cnn_train_step(BATCH)
+    step(x, y)
+    (report,) = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train_step")]
+    return report
+
+
+def test_cnn_tensor_sizes_and_roles():
+    report = cnn_report()
+    by_name = {t.name: t for t in report.top_tensors_at_peak}
+    # conv2 output: batch x 24 x 24 x 64 floats, produced by the forward pass.
+    conv2 = [t for t in report.top_tensors_at_peak
+             if t.name.endswith("conv2d_1_2/Relu") or t.name.endswith("conv2d_1/Relu")]
+    assert conv2, by_name
+    sizes = {BATCH * 24 * 24 * 64 * 4, BATCH * 26 * 26 * 32 * 4}
+    for tensor in conv2:
+        assert tensor.bytes in sizes, tensor
+        assert tensor.role == "activation", tensor
+    grads = [t for t in report.top_tensors_at_peak if t.name.startswith("gradient_tape/")]
+    assert grads and all(t.role == "gradient" for t in grads)
+
+
+def test_cnn_persistent_memory_is_weights_and_adam_slots():
+    report = cnn_report()
+    params = (3 * 3 * 1 * 32 + 32) + (3 * 3 * 32 * 64 + 64) + (12 * 12 * 64 * 128 + 128) + (128 * 10 + 10)
+    weights_and_slots = 3 * params * 4
+    persistent = report.persistent_bytes["CPU:0"]
+    assert weights_and_slots <= persistent <= weights_and_slots + 2**20
+
+
+def test_peak_is_at_least_the_largest_live_set():
+    report = cnn_report()
+    peak = report.predicted_peak_bytes["before"]["CPU:0"]
+    live = sum(t.bytes for t in report.top_tensors_at_peak)
+    assert peak >= report.persistent_bytes["CPU:0"] + live
+    assert report.to_dict()["devices"][0]["peak_step"] >= 0
+    timeline = report.to_dict()["timeline"][0]
+    assert len(timeline["activation_bytes"]) == report.num_nodes
+    top = max(a + g for a, g in zip(timeline["activation_bytes"], timeline["gradient_bytes"]))
+    assert top <= peak - report.persistent_bytes["CPU:0"]

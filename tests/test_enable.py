@@ -1,0 +1,230 @@
+"""tfmemopt.enable() reaches every place TF builds a training graph, and the pass
+reports what it found there without changing the results."""
+
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmemopt
+from conftest import (
+    BATCH, CLASSES, FEATURES, HIDDEN, make_mlp_train_step, mlp_batch, mlp_variables,
+    reports_for, run_mlp_steps, run_python,
+)
+
+STEP = "__inference_train_step"
+
+
+def test_tf_function_in_main_thread_gets_a_report():
+    tfmemopt.enable("1GiB")
+    run_mlp_steps(steps=1)
+    (report,) = reports_for(STEP)
+    assert report.status == "ok"
+    assert report.mode == "AUTO"
+    assert report.num_nodes > 20 and report.num_tensors > 20
+    assert report.devices == ["CPU:0"]
+    assert report.budget_bytes == {"CPU:0": 2**30}
+    assert report.fits is True
+    assert report.unresolved_tensors == 0
+    assert 0 < len(report.top_tensors_at_peak) <= 10
+    sizes = [t.bytes for t in report.top_tensors_at_peak]
+    assert sizes == sorted(sizes, reverse=True)
+    text = report.to_text()
+    assert report.graph_id in text and "predicted peak" in text
+    assert report.to_dict()["graph_id"] == report.graph_id
+
+
+def test_predicted_memory_matches_the_model():
+    tfmemopt.enable("1GiB")
+    run_mlp_steps(steps=1)
+    (report,) = reports_for(STEP)
+    weights = (FEATURES * HIDDEN + HIDDEN * CLASSES) * 4
+    # Variables are persistent; constants add a few bytes.
+    assert weights <= report.persistent_bytes["CPU:0"] <= weights + 4096
+    # At some step the gradient of w1 is live together with the weights.
+    peak = report.predicted_peak_bytes["before"]["CPU:0"]
+    assert peak >= weights + FEATURES * HIDDEN * 4
+    assert peak <= 3 * weights  # nothing counted twice
+    assert report.predicted_peak_bytes["after"] == report.predicted_peak_bytes["before"]
+
+
+def test_a_new_thread_gets_a_report():
+    tfmemopt.enable("1GiB")
+    errors = []
+
+    def worker():
+        try:
+            run_mlp_steps(steps=1)
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors
+    (report,) = reports_for(STEP)
+    assert report.status == "ok" and report.devices == ["CPU:0"]
+
+
+def test_losses_and_weights_are_bitwise_equal_with_and_without_enable():
+    baseline_losses, baseline_weights = run_mlp_steps(steps=3)
+    tfmemopt.enable(0.5)
+    losses, weights = run_mlp_steps(steps=3)
+    assert reports_for(STEP)  # the pass really ran on the second graph
+    np.testing.assert_array_equal(losses, baseline_losses)
+    for got, want in zip(weights, baseline_weights):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_enable_survives_set_experimental_options():
+    saved = tf.config.optimizer.get_experimental_options()
+    try:
+        tfmemopt.enable("1GiB")
+        tf.config.optimizer.set_experimental_options({"constant_folding": True})
+        run_mlp_steps(steps=1)
+        assert len(reports_for(STEP)) == 1
+    finally:
+        tf.config.optimizer.set_experimental_options(saved)
+
+
+def test_disable_stops_the_pass():
+    tfmemopt.enable("1GiB")
+    tfmemopt.disable()
+    assert tfmemopt.enabled_config() is None
+    run_mlp_steps(steps=1)
+    assert reports_for(STEP) == []
+
+
+def test_enable_again_replaces_the_config():
+    tfmemopt.enable("1GiB")
+    tfmemopt.enable("2GiB", mode="ANALYZE_ONLY")
+    run_mlp_steps(steps=1)
+    (report,) = reports_for(STEP)
+    assert report.budget_bytes == {"CPU:0": 2 * 2**30}
+    assert report.mode == "ANALYZE_ONLY"
+
+
+def test_over_budget_graph_is_reported_as_not_fitting():
+    tfmemopt.enable(1024)  # bytes: far below the weights alone
+    run_mlp_steps(steps=1)
+    (report,) = reports_for(STEP)
+    assert report.fits is False
+
+
+def test_unknown_batch_dimension_is_resolved_by_assume_batch_size():
+    signature = [
+        tf.TensorSpec([None, FEATURES], tf.float32),
+        tf.TensorSpec([None], tf.int32),
+    ]
+    tfmemopt.enable("1GiB")
+    run_mlp_steps(steps=1)
+    (known,) = reports_for(STEP)
+    tfmemopt.clear_reports()
+    run_mlp_steps(steps=1, input_signature=signature)
+    (unknown,) = reports_for(STEP)
+    assert unknown.unresolved_tensors > 0
+    assert "assume_batch_size" in unknown.to_text()
+    tfmemopt.clear_reports()
+    tfmemopt.enable("1GiB", assume_batch_size=BATCH)
+    run_mlp_steps(steps=1, input_signature=signature)
+    (resolved,) = reports_for(STEP)
+    assert resolved.unresolved_tensors == 0
+    assert resolved.to_dict()["batch_dims_resolved"] > 0
+    # The dynamic-shape graph has a few extra shape ops (tens of bytes), otherwise
+    # the same tensors.
+    assert resolved.predicted_peak_bytes["before"]["CPU:0"] == pytest.approx(
+        known.predicted_peak_bytes["before"]["CPU:0"], rel=1e-3)
+
+
+def test_keras_fit_gets_a_report():
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([
+        tf.keras.Input((FEATURES,)),
+        tf.keras.layers.Dense(HIDDEN, activation="relu"),
+        tf.keras.layers.Dense(CLASSES),
+    ])
+    model.compile(optimizer="adam",
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = mlp_batch(batch=4 * BATCH)
+    tfmemopt.enable("1GiB", assume_batch_size=BATCH)
+    model.fit(x.numpy(), y.numpy(), batch_size=BATCH, epochs=1, verbose=0)
+    train = [r for r in tfmemopt.reports() if "step_on_iterator" in r.graph_id]
+    assert train, [r.graph_id for r in tfmemopt.reports()]
+    report = train[-1]
+    assert report.status == "ok"
+    # Keras weights plus Adam's two slots per weight are persistent.
+    weights = (FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES) * 4
+    assert report.persistent_bytes["CPU:0"] >= 3 * weights
+
+
+def test_forced_internal_failure_returns_the_original_graph(capfd):
+    baseline_losses, baseline_weights = run_mlp_steps(steps=2)
+    for stage in ("analyze", "simulate", "plan", "verify", "report"):
+        tfmemopt.clear_reports()
+        tfmemopt.enable("1GiB", test_only_fail_stage=stage)
+        losses, weights = run_mlp_steps(steps=2)
+        np.testing.assert_array_equal(losses, baseline_losses)
+        np.testing.assert_array_equal(weights[0], baseline_weights[0])
+        (report,) = reports_for(STEP)
+        assert report.status == "fallback"
+        assert report.failed_stage == stage
+        assert "forced failure" in report.message
+        assert not report.graph_changed
+    err = capfd.readouterr().err
+    line = [l for l in err.splitlines() if "TfMemOpt: graph __inference_train_step" in l and "failed" in l]
+    assert line and "the original graph is used" in line[-1]
+
+
+def test_v1_session_with_config_proto_gets_a_report():
+    xv, yv = mlp_batch()
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [BATCH, FEATURES], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [BATCH], name="y")
+        w1, w2 = mlp_variables()
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        loss = tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        config = tfmemopt.config_proto("1GiB")
+        with tf.compat.v1.Session(config=config) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train_op, {x: xv.numpy(), y: yv.numpy()})
+    # One report per Session.run graph: the initializer, then the train step.
+    reports = tfmemopt.reports()
+    assert [r.graph_id for r in reports] == ["tf_graph", "tf_graph"]
+    report = reports[-1]
+    assert report.status == "ok"
+    assert report.budget_bytes and set(report.budget_bytes.values()) == {2**30}
+    weights = (FEATURES * HIDDEN + HIDDEN * CLASSES) * 4
+    assert sum(report.persistent_bytes.values()) >= weights
+
+
+def test_mirrored_strategy_over_two_cpus_reports_both_devices():
+    code = r'''
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tfmemopt
+tfmemopt.enable("1GiB")
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    w = tf.Variable(tf.ones([256, 256]) * 0.01)
+@tf.function
+def train_step(x):
+    def replica(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.matmul(x, w) ** 2)
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        return loss
+    return strategy.reduce("SUM", strategy.run(replica, args=(x,)), axis=None)
+print("LOSS", float(train_step(tf.ones([64, 256]))))
+devices = set()
+for r in tfmemopt.reports():
+    if r.graph_id.startswith("__inference_train_step"):
+        devices |= set(r.devices)
+print("DEVICES", sorted(devices))
+'''
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DEVICES ['CPU:0', 'CPU:1']" in result.stdout, result.stdout + result.stderr[-2000:]
