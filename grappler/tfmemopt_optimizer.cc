@@ -25,17 +25,6 @@ namespace {
 using tensorflow::grappler::Cluster;
 using tensorflow::grappler::GrapplerItem;
 
-// Nodes this pass adds are named under this scope; their presence means the graph
-// is our own output (second meta-optimizer iteration), so nothing is planned again.
-constexpr char kOwnScope[] = "TfMemOpt/";
-
-bool IsOwnOutput(const tensorflow::GraphDef& graph) {
-  for (const auto& node : graph.node()) {
-    if (absl::StartsWith(node.name(), kOwnScope)) return true;
-  }
-  return false;
-}
-
 // TF's CPU test bed caps its BFC allocator through the environment; the Grappler
 // cluster does not know about it, so it is read here.
 int64_t CpuBfcLimitBytes() {
@@ -167,9 +156,10 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
 
   // Plan. The budget per device is settled here; the memory-saving mechanisms
   // (swap, recompute, scheduling) plug in at this point as they land.
+  std::vector<DeviceReport> devices(table.devices.size());
   status = stages->Run("plan", [&] {
     for (size_t d = 0; d < table.devices.size(); ++d) {
-      DeviceReport device;
+      DeviceReport& device = devices[d];
       device.device = table.devices[d];
       DescribeDeviceMemory(cluster, &device);
       if (options.budget_bytes > 0) {
@@ -178,25 +168,29 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
         device.budget_bytes = static_cast<int64_t>(
             options.budget_fraction * static_cast<double>(device.memory_bytes));
       }
-      const DeviceTimeline& timeline = before.devices[d];
-      device.persistent_bytes = timeline.persistent_bytes;
-      device.peak_before_bytes = timeline.peak_bytes;
-      device.peak_after_bytes = timeline.peak_bytes;
-      device.peak_step = timeline.peak_step;
-      FillPeakTensors(table, timeline, &device);
-      report->devices.push_back(device);
     }
-    if (IsOwnOutput(item.graph)) report->message = "graph already optimized by TfMemOpt";
     return absl::OkStatus();
   });
   if (!status.ok()) return status;
-  report->timeline = before.devices;
 
   status = stages->Run("verify", [&] { return VerifyOptimizedGraph(item, *output); });
   if (!status.ok()) return status;
-  report->graph_changed = false;
 
-  return stages->Run("report", [] { return absl::OkStatus(); });
+  return stages->Run("report", [&] {
+    for (size_t d = 0; d < devices.size(); ++d) {
+      const DeviceTimeline& timeline = before.devices[d];
+      DeviceReport& device = devices[d];
+      device.persistent_bytes = timeline.persistent_bytes;
+      device.peak_before_bytes = timeline.peak_bytes;
+      device.peak_after_bytes = timeline.peak_bytes;  // nothing is rewritten yet
+      device.peak_step = timeline.peak_step;
+      FillPeakTensors(table, timeline, &device);
+    }
+    report->devices = std::move(devices);
+    report->timeline = before.devices;
+    report->graph_changed = false;
+    return absl::OkStatus();
+  });
 }
 
 // An over-budget graph under fail_on_infeasible is the user's error, not ours: it

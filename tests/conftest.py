@@ -62,6 +62,17 @@ def make_mlp_train_step(variables, input_signature=None):
     return train_step
 
 
+def build_v1_mlp_train_op():
+    """In the current (v1) graph: placeholders x, y and an SGD train op."""
+    x = tf.compat.v1.placeholder(tf.float32, [BATCH, FEATURES], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [BATCH], name="y")
+    w1, w2 = mlp_variables()
+    logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+    loss = tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    return x, y, tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
 def run_mlp_steps(steps=3, **step_kwargs):
     """Losses and final weights of a few SGD steps from a fixed start."""
     variables = mlp_variables()

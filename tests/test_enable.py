@@ -8,9 +8,10 @@ import pytest
 import tensorflow as tf
 
 import tfmemopt
+from tfmemopt import _eager_context
 from conftest import (
-    BATCH, CLASSES, FEATURES, HIDDEN, make_mlp_train_step, mlp_batch, mlp_variables,
-    reports_for, run_mlp_steps, run_python,
+    BATCH, CLASSES, FEATURES, HIDDEN, build_v1_mlp_train_op, mlp_batch, reports_for,
+    run_mlp_steps, run_python,
 )
 
 STEP = "__inference_train_step"
@@ -82,6 +83,10 @@ def test_enable_survives_set_experimental_options():
     try:
         tfmemopt.enable("1GiB")
         tf.config.optimizer.set_experimental_options({"constant_folding": True})
+        rewrite = _eager_context.current_rewrite_options()
+        assert rewrite.constant_folding == rewrite.ON
+        (entry,) = [c for c in rewrite.custom_optimizers if c.name == "TfMemOpt"]
+        assert entry.parameter_map["budget_bytes"].i == 2**30
         run_mlp_steps(steps=1)
         assert len(reports_for(STEP)) == 1
     finally:
@@ -92,6 +97,7 @@ def test_disable_stops_the_pass():
     tfmemopt.enable("1GiB")
     tfmemopt.disable()
     assert tfmemopt.enabled_config() is None
+    assert not _eager_context.current_rewrite_options().custom_optimizers
     run_mlp_steps(steps=1)
     assert reports_for(STEP) == []
 
@@ -179,13 +185,7 @@ def test_forced_internal_failure_returns_the_original_graph(capfd):
 def test_v1_session_with_config_proto_gets_a_report():
     xv, yv = mlp_batch()
     with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [BATCH, FEATURES], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [BATCH], name="y")
-        w1, w2 = mlp_variables()
-        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
-        loss = tf.reduce_mean(
-            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        x, y, train_op = build_v1_mlp_train_op()
         config = tfmemopt.config_proto("1GiB")
         with tf.compat.v1.Session(config=config) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())

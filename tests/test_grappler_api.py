@@ -8,18 +8,12 @@ from tensorflow.python.grappler import cluster as grappler_cluster
 from tensorflow.python.grappler import tf_optimizer
 
 import tfmemopt
-from conftest import BATCH, FEATURES, mlp_variables
+from conftest import build_v1_mlp_train_op
 
 
 def train_metagraph():
     with tf.Graph().as_default() as graph:
-        x = tf.compat.v1.placeholder(tf.float32, [BATCH, FEATURES], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [BATCH], name="y")
-        w1, w2 = mlp_variables()
-        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
-        loss = tf.reduce_mean(
-            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        _, _, train_op = build_v1_mlp_train_op()
         graph.add_to_collection("train_op", train_op)
         return tf.compat.v1.train.export_meta_graph(graph=graph)
 

@@ -192,6 +192,7 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
       tensor.node = i;
       tensor.port = port;
       tensor.bytes = size.bytes;
+      tensor.dtype = outputs[port].dtype();
       tensor.size_known = size.known;
       table->batch_dims_resolved += size.resolved_dims;
       info.outputs.push_back(static_cast<int>(table->tensors.size()));
@@ -284,12 +285,7 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
       BufferInfo buffer;
       buffer.owner = t;
       buffer.device = node.device;
-      const bool resource = properties.HasOutputProperties(node.def->name()) &&
-                            tensor.port < static_cast<int>(
-                                properties.GetOutputProperties(node.def->name()).size()) &&
-                            properties.GetOutputProperties(node.def->name())[tensor.port]
-                                    .dtype() == tensorflow::DT_RESOURCE;
-      if (resource) {
+      if (tensor.dtype == tensorflow::DT_RESOURCE) {
         buffer.bytes = VariableBytes(*table, properties, t);
         buffer.persistent = true;
         tensor.role = TensorRole::kPersistent;

@@ -35,6 +35,7 @@ struct TensorInfo {
   int node = -1;  // producer, index into TensorTable::nodes
   int port = 0;
   int64_t bytes = 0;
+  tensorflow::DataType dtype = tensorflow::DT_INVALID;  // DT_INVALID: not inferred
   bool size_known = true;  // every dimension resolved
   TensorRole role = TensorRole::kActivation;
   // Index into TensorTable::buffers. Outputs of forwarding ops (Identity, Reshape,

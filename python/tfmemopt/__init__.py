@@ -24,6 +24,7 @@ from tfmemopt.config import (  # noqa: E402
     make_config,
     parse_size,
     rewriter_config,
+    with_entry,
 )
 from tfmemopt.report import Report  # noqa: E402
 
@@ -44,8 +45,10 @@ def enable(budget=None, **fields):
     """
     global _enabled
     config = make_config(budget, **fields)
+    entry = custom_optimizer_entry(config)
     with _lock:
-        _eager_context.set_custom_optimizer(custom_optimizer_entry(config), PASS_NAME)
+        _eager_context.update_base_config(
+            lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
         _enabled = config
     return config
 
@@ -54,7 +57,8 @@ def disable():
     """Undoes enable(): graphs traced afterwards no longer run TfMemOpt."""
     global _enabled
     with _lock:
-        _eager_context.set_custom_optimizer(None, PASS_NAME)
+        _eager_context.update_base_config(
+            lambda proto: with_entry(proto.graph_options.rewrite_options, None))
         _enabled = None
 
 

@@ -12,7 +12,13 @@ from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context as _context
 
 
-def _rewrite_options_with(entry, pass_name):
+def update_base_config(update):
+    """Applies `update(config_proto)` to a copy of the context's base config and
+    installs it, so every later graph function in every thread is built with it.
+
+    The calling thread picks it up at once; other threads when their options are
+    next rebuilt (new threads: on their first tf.function call).
+    """
     ctx = _context.context()
     # Physical devices are discovered once, and that is when TF imports _config
     # (device counts, GPU visibility). Doing it first means our copy of the config
@@ -21,32 +27,13 @@ def _rewrite_options_with(entry, pass_name):
     config = config_pb2.ConfigProto()
     if ctx._config is not None:
         config.CopyFrom(ctx._config)
-    rewrite = config.graph_options.rewrite_options
-    kept = [c for c in rewrite.custom_optimizers if c.name != pass_name]
-    del rewrite.custom_optimizers[:]
-    rewrite.custom_optimizers.extend(kept)
-    if entry is not None:
-        rewrite.custom_optimizers.add().CopyFrom(entry)
-    return ctx, config
-
-
-def set_custom_optimizer(entry, pass_name):
-    """Makes every later graph function in every thread run `entry`.
-
-    `entry=None` removes the pass again. Threads that already ran a tf.function keep
-    their cached options until they are reset; new threads and the calling thread
-    pick up the change at once.
-    """
-    ctx, config = _rewrite_options_with(entry, pass_name)
+    update(config)
     ctx._config = config
     ctx.function_call_options = None  # rebuilt from ctx.config on next use
 
 
-def current_custom_optimizer(pass_name):
-    """The entry that graph functions of the calling thread would run, or None."""
+def current_rewrite_options():
+    """The RewriterConfig that graph functions of the calling thread are built with."""
     options = _context.context().function_call_options
-    config = config_pb2.ConfigProto.FromString(options.config_proto_serialized)
-    for entry in config.graph_options.rewrite_options.custom_optimizers:
-        if entry.name == pass_name:
-            return entry
-    return None
+    return config_pb2.ConfigProto.FromString(
+        options.config_proto_serialized).graph_options.rewrite_options

@@ -217,7 +217,7 @@ def custom_optimizer_entry(config):
     return entry
 
 
-def _with_entry(rewrite_options, entry):
+def with_entry(rewrite_options, entry):
     """Replaces any TfMemOpt entry of `rewrite_options` with `entry` (in place)."""
     kept = [c for c in rewrite_options.custom_optimizers if c.name != PASS_NAME]
     del rewrite_options.custom_optimizers[:]
@@ -240,7 +240,7 @@ def rewriter_config(budget=None, base=None, **fields):
     result = rewriter_config_pb2.RewriterConfig()
     if base is not None:
         result.CopyFrom(base)
-    return _with_entry(result, custom_optimizer_entry(make_config(budget, **fields)))
+    return with_entry(result, custom_optimizer_entry(make_config(budget, **fields)))
 
 
 def config_proto(budget=None, base=None, **fields):
