@@ -246,22 +246,25 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
   report.total_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  if (report.status != "ok") {
-    LOG(WARNING) << report.Summary();
-  } else if (options_.log_level >= 1) {
-    LOG(INFO) << report.Summary();
-  }
-  if (options_.log_level >= 2) {
-    for (const DeviceReport& d : report.devices) {
-      for (const PeakTensor& t : d.top_tensors_at_peak) {
-        LOG(INFO) << "TfMemOpt:   at peak on " << d.device << ": " << t.name << " ("
-                  << t.op << ", " << t.role << ") " << FormatBytes(t.bytes);
+  Published& published = published_[item.id];
+  const std::string summary = report.Summary();
+  if (summary != published.summary) {
+    if (report.status != "ok") {
+      LOG(WARNING) << summary;
+    } else if (options_.log_level >= 1) {
+      LOG(INFO) << summary;
+    }
+    if (options_.log_level >= 2) {
+      for (const DeviceReport& d : report.devices) {
+        for (const PeakTensor& t : d.top_tensors_at_peak) {
+          LOG(INFO) << "TfMemOpt:   at peak on " << d.device << ": " << t.name << " ("
+                    << t.op << ", " << t.role << ") " << FormatBytes(t.bytes);
+        }
       }
     }
   }
-  auto token = report_tokens_.find(item.id);
-  report_tokens_[item.id] =
-      PublishReport(token == report_tokens_.end() ? 0 : token->second, report.ToJson());
+  published.summary = summary;
+  published.token = PublishReport(published.token, report.ToJson());
   return InfeasibleError(options_, report);
 }
 

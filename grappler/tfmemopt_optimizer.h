@@ -43,9 +43,14 @@ class TfMemOptOptimizer : public tensorflow::grappler::CustomGraphOptimizer {
 
  private:
   MemoryOptimizerOptions options_;
-  // Report token per graph id: one optimizer instance serves both meta-optimizer
-  // iterations of a graph, and the second must replace the first's report.
-  absl::flat_hash_map<std::string, int64_t> report_tokens_;
+  // Per graph id: one optimizer instance serves both meta-optimizer iterations of
+  // a graph. The second replaces the first's report, and logs only if its summary
+  // line differs, so each graph gets one line.
+  struct Published {
+    int64_t token = 0;
+    std::string summary;
+  };
+  absl::flat_hash_map<std::string, Published> published_;
 };
 
 // Registers TfMemOpt with Grappler unless a pass of that name is registered

@@ -228,3 +228,19 @@ print("DEVICES", sorted(devices))
     result = run_python(code)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "DEVICES ['CPU:0', 'CPU:1']" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+def test_one_info_line_per_graph(capfd):
+    tfmemopt.enable("1GiB")
+    run_mlp_steps(steps=1)
+    err = capfd.readouterr().err
+    lines = [l for l in err.splitlines() if "TfMemOpt: graph __inference_train_step" in l]
+    assert len(lines) == 1, lines
+    assert "nodes, predicted peak CPU:0" in lines[0] and "(budget 1.00 GiB)" in lines[0]
+
+
+def test_log_level_zero_is_silent(capfd):
+    tfmemopt.enable("1GiB", log_level=0)
+    run_mlp_steps(steps=1)
+    assert "TfMemOpt: graph" not in capfd.readouterr().err
+    assert reports_for(STEP)  # still reported to Python
