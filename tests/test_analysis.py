@@ -45,5 +45,6 @@ def test_peak_is_at_least_the_largest_live_set():
     assert report.to_dict()["devices"][0]["peak_step"] >= 0
     timeline = report.to_dict()["timeline"][0]
     assert len(timeline["activation_bytes"]) == report.num_nodes
-    top = max(a + g for a, g in zip(timeline["activation_bytes"], timeline["gradient_bytes"]))
-    assert top <= peak - report.persistent_bytes["CPU:0"]
+    during = [a + g for a, g in zip(timeline["activation_bytes"], timeline["gradient_bytes"])]
+    assert max(during) == peak - report.persistent_bytes["CPU:0"]
+    assert during.index(max(during)) == report.to_dict()["devices"][0]["peak_step"]

@@ -26,8 +26,9 @@ struct DeviceTimeline {
   // Peak of persistent + transient bytes, and the first step that reaches it.
   int64_t peak_bytes = 0;
   int peak_step = -1;
-  // Transient live bytes after each step of the order, by role (indexed by
-  // TensorRole); the persistent part is constant and kept above.
+  // Transient live bytes during each step of the order (outputs allocated, inputs
+  // not yet released), by role; the persistent part is constant and kept above, so
+  // persistent + max(activation + gradient) == peak_bytes.
   std::vector<int64_t> activation_bytes;
   std::vector<int64_t> gradient_bytes;
   // Buffers live at the peak step, largest first (buffer indices).

@@ -27,6 +27,7 @@ from tfmemopt.config import (  # noqa: E402
     with_entry,
 )
 from tfmemopt.report import Report  # noqa: E402
+from tfmemopt.analysis import analyze, analyze_metagraph  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -77,6 +78,8 @@ def clear_reports():
 
 
 __all__ = [
+    "analyze",
+    "analyze_metagraph",
     "MemoryOptimizerConfig",
     "PASS_NAME",
     "Report",
