@@ -48,3 +48,40 @@ def test_peak_is_at_least_the_largest_live_set():
     during = [a + g for a, g in zip(timeline["activation_bytes"], timeline["gradient_bytes"])]
     assert max(during) == peak - report.persistent_bytes["CPU:0"]
     assert during.index(max(during)) == report.to_dict()["devices"][0]["peak_step"]
+
+
+def lstm_step(steps, batch=32, units=64):
+    import numpy as np
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([
+        tf.keras.Input((steps, 16)), tf.keras.layers.LSTM(units), tf.keras.layers.Dense(10)])
+    optimizer = tf.keras.optimizers.Adam()
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    x = tf.constant(np.ones((batch, steps, 16), np.float32))
+    y = tf.constant(np.zeros((batch,), np.int32))
+    return train_step, x, y
+
+
+def test_loop_accumulators_grow_with_the_trip_count():
+    # The forward loop pushes its activations into TensorLists for the backward
+    # loop: with twice the time steps, the transient peak holds twice the activations.
+    transient = {}
+    for steps in (25, 50):
+        report = tfmemopt.analyze(*lstm_step(steps), log_level=0)
+        assert report.status == "ok"
+        transient[steps] = report.predicted_peak_bytes["after"]["CPU:0"] - report.persistent_bytes["CPU:0"]
+    # Per step, each accumulated gate activation is batch x units floats.
+    per_step = 32 * 64 * 4
+    assert transient[50] - transient[25] >= 25 * 4 * per_step
+    assert transient[50] < 2.2 * transient[25]

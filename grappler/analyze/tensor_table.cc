@@ -21,15 +21,44 @@ using tensorflow::OpInfo;
 using tensorflow::grappler::GraphProperties;
 using tensorflow::grappler::GrapplerItem;
 
-// Ops whose output i is the buffer of input i (TF forwards it, no allocation).
-// ReadVariableOp hands out the variable's own buffer (copy-on-write), so its
-// output is the variable's persistent memory, not a new tensor.
+// The input port whose buffer output `port` hands out (TF forwards it, nothing
+// is allocated), or -1. ReadVariableOp hands out the variable's own buffer
+// (copy-on-write); loop plumbing (Enter/Merge/Switch/NextIteration/Exit) and the
+// TensorList update ops pass their buffer through.
+int ForwardedInput(const NodeDef& node, int port) {
+  static const auto* same_port = new std::set<std::string>{
+      "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
+      "PreventGradient", "EnsureShape", "Bitcast", "_Retval", "Snapshot",
+      "ReadVariableOp"};
+  // Output 0 is input 0 (Merge's output 1 and PopBack's element are new).
+  static const auto* first_output = new std::set<std::string>{
+      "Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration",
+      "Merge", "RefMerge", "TensorListPushBack", "TensorListPushBackBatch",
+      "TensorListSetItem", "TensorListPopBack"};
+  if (same_port->count(node.op())) return port;
+  if (node.op() == "Switch" || node.op() == "RefSwitch") return 0;  // both branches
+  if (first_output->count(node.op())) return port == 0 ? 0 : -1;
+  return -1;
+}
+
 bool ForwardsInputBuffer(const NodeDef& node) {
-  static const auto* ops = new std::set<std::string>{
-      "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims",
-      "StopGradient", "PreventGradient", "EnsureShape", "Bitcast",
-      "_Retval", "Snapshot", "ReadVariableOp"};
-  return ops->count(node.op()) > 0;
+  return ForwardedInput(node, 0) >= 0;
+}
+
+// Integer contents of a Const node, or false.
+bool ConstInts(const NodeDef& node, std::vector<int64_t>* values) {
+  if (node.op() != "Const" || !node.attr().count("value")) return false;
+  tensorflow::Tensor tensor;
+  if (!tensor.FromProto(node.attr().at("value").tensor())) return false;
+  values->clear();
+  if (tensor.dtype() == tensorflow::DT_INT32) {
+    for (int64_t i = 0; i < tensor.NumElements(); ++i) values->push_back(tensor.flat<int32_t>()(i));
+  } else if (tensor.dtype() == tensorflow::DT_INT64) {
+    for (int64_t i = 0; i < tensor.NumElements(); ++i) values->push_back(tensor.flat<int64_t>()(i));
+  } else {
+    return false;
+  }
+  return true;
 }
 
 // Gradient code is named by tf.gradients ("gradients/") or GradientTape
@@ -116,6 +145,81 @@ int64_t VariableBytes(const TensorTable& table, const GraphProperties& props,
   return 0;
 }
 
+// Scratch memory of kernels that allocate more than their outputs, as measured on
+// TF 2.21's oneDNN CPU kernels with benchmarks/trace_step_memory.py (RunMetadata
+// step stats of the real executor). MaxPoolGrad re-runs the pooling forward with a
+// workspace: 54.0 MiB of temporaries for an 18.0 MiB gradient, i.e. 3x its grad
+// input. Other kernels are not modelled yet (Conv2DBackpropFilter showed 22.8 MiB
+// for a 72 MiB out_backprop and 6.5 MiB for 42.3 MiB: no rule fits two points).
+void EstimateTempBytes(TensorTable* table) {
+  for (NodeInfo& node : table->nodes) {
+    if ((node.def->op() == "MaxPoolGrad" || node.def->op() == "MaxPoolGradV2") &&
+        node.inputs.size() >= 3) {
+      node.temp_bytes = 3 * table->tensors[node.inputs[2]].bytes;
+    }
+  }
+}
+
+bool IsListCreator(const NodeDef& node) {
+  return node.op() == "EmptyTensorList" || node.op() == "TensorListReserve";
+}
+
+// A TensorList is a variant, so shape inference gives it no size. A freshly
+// created list holds nothing yet; TensorListFromTensor holds a copy of its input.
+// What loops push into lists is sized per list instance (see BindLoopLists).
+void SizeTensorLists(TensorTable* table) {
+  for (NodeInfo& node : table->nodes) {
+    if (node.outputs.empty() || node.inputs.empty()) continue;
+    TensorInfo& list = table->tensors[node.outputs[0]];
+    if (node.def->op() == "TensorListFromTensor") {
+      const TensorInfo& source = table->tensors[node.inputs[0]];
+      list.bytes = source.bytes;
+      list.size_known = source.size_known;
+    } else if (IsListCreator(*node.def)) {
+      list.bytes = 0;
+      list.size_known = true;
+    }
+  }
+}
+
+// The Enter that brings a freshly created list into a loop frame is where one
+// list instance begins: Grappler's CSE often lets several accumulators share one
+// EmptyTensorList, and TF copies a shared list on its first push, so each Enter
+// holds a list of its own.
+bool StartsListInstance(const TensorTable& table, const NodeInfo& node) {
+  if (node.def->op() != "Enter" || node.inputs.empty()) return false;
+  return IsListCreator(*table.nodes[table.tensors[node.inputs[0]].node].def);
+}
+
+// Sizes each list instance as capacity x the bytes of the item pushed into it. A
+// list of variable reads holds references to the variable's buffer: nothing.
+void BindLoopLists(TensorTable* table) {
+  for (const NodeInfo& node : table->nodes) {
+    const std::string& op = node.def->op();
+    // PushBack(list, item), SetItem(list, index, item).
+    const size_t item_port = op == "TensorListPushBack"  ? 1
+                             : op == "TensorListSetItem" ? 2
+                                                         : 0;
+    if (item_port == 0 || node.inputs.size() <= item_port) continue;
+    BufferInfo& list = table->buffers[table->tensors[node.inputs[0]].buffer];
+    const NodeInfo& owner = table->nodes[table->tensors[list.owner].node];
+    if (!StartsListInstance(*table, owner)) continue;
+    const NodeInfo& creator = table->nodes[table->tensors[owner.inputs[0]].node];
+    std::vector<int64_t> count;
+    if (creator.inputs.size() < 2 ||
+        !ConstInts(*table->nodes[table->tensors[creator.inputs[1]].node].def, &count) ||
+        count.size() != 1 || count[0] < 0) {
+      table->tensors[list.owner].size_known = false;
+      continue;
+    }
+    const TensorInfo& item = table->tensors[node.inputs[item_port]];
+    const int64_t item_bytes = table->buffers[item.buffer].persistent ? 0 : item.bytes;
+    list.bytes = std::max(list.bytes, count[0] * item_bytes);
+    table->tensors[list.owner].bytes = list.bytes;
+    if (!item.size_known) table->tensors[list.owner].size_known = false;
+  }
+}
+
 }  // namespace
 
 const char* TensorRoleName(TensorRole role) {
@@ -196,9 +300,6 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
       tensor.size_known = size.known;
       table->batch_dims_resolved += size.resolved_dims;
       info.outputs.push_back(static_cast<int>(table->tensors.size()));
-      if (!size.known) {
-        table->unresolved_tensors.push_back(static_cast<int>(table->tensors.size()));
-      }
       table->tensors.push_back(tensor);
     }
   }
@@ -223,7 +324,6 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
         tensor.port = static_cast<int>(producer.outputs.size());
         tensor.size_known = false;
         producer.outputs.push_back(static_cast<int>(table->tensors.size()));
-        table->unresolved_tensors.push_back(static_cast<int>(table->tensors.size()));
         table->tensors.push_back(tensor);
       }
       int tensor = producer.outputs[id.index()];
@@ -240,6 +340,9 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
       table->fetch_tensors.push_back(node.outputs[id.index()]);
     }
   }
+
+  SizeTensorLists(table);
+  EstimateTempBytes(table);
 
   // Backward = in a gradient scope or downstream of one, along data edges. Nodes
   // that only hand out metadata or persistent memory neither start nor pass it on:
@@ -278,8 +381,9 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
       TensorInfo& tensor = table->tensors[t];
       NodeInfo& node = table->nodes[i];
       tensor.role = node.backward ? TensorRole::kGradient : TensorRole::kActivation;
-      if (ForwardsInputBuffer(*node.def) &&
-          tensor.port < static_cast<int>(node.inputs.size())) {
+      const int source = ForwardedInput(*node.def, tensor.port);
+      if (source >= 0 && source < static_cast<int>(node.inputs.size()) &&
+          !StartsListInstance(*table, node)) {
         continue;  // bound below, once its input's buffer exists
       }
       BufferInfo buffer;
@@ -306,8 +410,11 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
       if (!ForwardsInputBuffer(*node.def)) continue;
       for (int t : node.outputs) {
         TensorInfo& tensor = table->tensors[t];
-        if (tensor.buffer >= 0 || tensor.port >= static_cast<int>(node.inputs.size())) continue;
-        const TensorInfo& source = table->tensors[node.inputs[tensor.port]];
+        const int port = StartsListInstance(*table, node)
+                             ? -1
+                             : ForwardedInput(*node.def, tensor.port);
+        if (tensor.buffer >= 0 || port < 0 || port >= static_cast<int>(node.inputs.size())) continue;
+        const TensorInfo& source = table->tensors[node.inputs[port]];
         if (source.buffer < 0) continue;
         tensor.buffer = source.buffer;
         if (table->buffers[source.buffer].persistent) tensor.role = TensorRole::kPersistent;
@@ -316,13 +423,17 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
     }
   }
   for (TensorInfo& tensor : table->tensors) {
-    if (tensor.buffer >= 0) continue;  // only alias cycles (loops) remain here
+    if (tensor.buffer >= 0) continue;  // only alias cycles remain here
     BufferInfo buffer;
     buffer.owner = static_cast<int>(&tensor - table->tensors.data());
     buffer.bytes = tensor.bytes;
     buffer.device = table->nodes[tensor.node].device;
     tensor.buffer = static_cast<int>(table->buffers.size());
     table->buffers.push_back(buffer);
+  }
+  BindLoopLists(table);
+  for (size_t t = 0; t < table->tensors.size(); ++t) {
+    if (!table->tensors[t].size_known) table->unresolved_tensors.push_back(t);
   }
   return absl::OkStatus();
 }

@@ -49,6 +49,8 @@ struct NodeInfo {
   std::string device;  // short form, e.g. "CPU:0"; "" when unplaced
   bool stateful = false;
   bool backward = false;  // in or downstream of the gradient computation
+  // Scratch memory the kernel allocates and frees while it runs (not an output).
+  int64_t temp_bytes = 0;
   std::vector<int> inputs;   // tensor indices of data inputs
   std::vector<int> outputs;  // tensor indices
 };

@@ -49,13 +49,19 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
       result->devices[device_of_buffer[b]].persistent_bytes += table.buffers[b].bytes;
     }
   }
-  std::vector<bool> ran(table.nodes.size(), false);
-  for (int n : order) {
-    if (n < 0 || n >= static_cast<int>(table.nodes.size()) || ran[n]) {
+  // Position of each node in the order. A read whose producer runs later is a
+  // loop back edge (NextIteration -> Merge): it neither holds nor frees a buffer.
+  std::vector<int> position(table.nodes.size(), -1);
+  for (size_t step = 0; step < order.size(); ++step) {
+    const int n = order[step];
+    if (n < 0 || n >= static_cast<int>(table.nodes.size()) || position[n] >= 0) {
       return absl::InvalidArgumentError(absl::StrCat("bad order entry ", n));
     }
-    ran[n] = true;
+    position[n] = static_cast<int>(step);
   }
+  auto forward_edge = [&](int tensor, int consumer) {
+    return position[table.tensors[tensor].node] < position[consumer];
+  };
 
   // Runs the order up to and including step `last`; `on_step` sees the live set
   // between allocation and release.
@@ -65,8 +71,10 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     // Remaining reads per buffer: every consumer edge of every tensor on it. A
     // fetched tensor holds one extra read that is never released.
     std::vector<int64_t> pending(table.buffers.size(), 0);
-    for (const TensorInfo& tensor : table.tensors) {
-      pending[tensor.buffer] += static_cast<int64_t>(tensor.consumers.size());
+    for (size_t t = 0; t < table.tensors.size(); ++t) {
+      for (int consumer : table.tensors[t].consumers) {
+        if (forward_edge(t, consumer)) ++pending[table.tensors[t].buffer];
+      }
     }
     for (int t : table.fetch_tensors) ++pending[table.tensors[t].buffer];
     live.assign(table.buffers.size(), false);
@@ -98,6 +106,7 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
       }
       on_step(step);
       for (int t : node.inputs) {
+        if (!forward_edge(t, order[step])) continue;
         const int b = table.tensors[t].buffer;
         --pending[b];
         release(b);
@@ -106,9 +115,20 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     }
   };
 
+  std::vector<int> device_of_node(table.nodes.size(), 0);
+  for (size_t n = 0; n < table.nodes.size(); ++n) {
+    auto it = std::lower_bound(table.devices.begin(), table.devices.end(),
+                               table.nodes[n].device);
+    device_of_node[n] = static_cast<int>(it - table.devices.begin());
+  }
   run(order.size(), [&](size_t step) {
+    const NodeInfo& node = table.nodes[order[step]];
     for (int d = 0; d < num_devices; ++d) {
       DeviceTimeline& timeline = result->devices[d];
+      // A kernel's scratch memory counts while it runs, as part of its step.
+      const int64_t temp = device_of_node[order[step]] == d ? node.temp_bytes : 0;
+      std::vector<int64_t>& role = node.backward ? gradient : activation;
+      role[d] += temp;
       const int64_t total = timeline.persistent_bytes + activation[d] + gradient[d];
       if (total > timeline.peak_bytes || timeline.peak_step < 0) {
         timeline.peak_bytes = total;
@@ -116,6 +136,7 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
       }
       timeline.activation_bytes.push_back(activation[d]);
       timeline.gradient_bytes.push_back(gradient[d]);
+      role[d] -= temp;
     }
   });
   for (int d = 0; d < num_devices; ++d) {

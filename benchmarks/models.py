@@ -1,0 +1,94 @@
+"""Benchmark models and their train steps, shared by the benchmarks.
+
+Every model trains with a GradientTape step and Adam in one tf.function, on a
+fixed-shape synthetic batch, so that the graph TF builds is the same each run.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+
+def _train_step(model, loss_fn):
+    optimizer = tf.keras.optimizers.Adam()
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return train_step
+
+
+def _classification_batch(batch, input_shape, classes, seed=0):
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.random((batch,) + tuple(input_shape), dtype=np.float32))
+    y = tf.constant(rng.integers(0, classes, size=(batch,), dtype=np.int32))
+    return x, y
+
+
+_XENT = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def seed_cnn(batch=512):
+    """conv32-conv64-maxpool-fc128-fc10 on 28x28x1 (the seed-000 model)."""
+    model = tf.keras.Sequential([
+        tf.keras.Input((28, 28, 1)),
+        tf.keras.layers.Conv2D(32, 3, activation="relu"),
+        tf.keras.layers.Conv2D(64, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(2),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(128, activation="relu"),
+        tf.keras.layers.Dense(10),
+    ])
+    return _train_step(model, _XENT), _classification_batch(batch, (28, 28, 1), 10)
+
+
+def mlp(batch=512, width=1024, depth=3):
+    layers = [tf.keras.Input((784,))]
+    layers += [tf.keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+    model = tf.keras.Sequential(layers + [tf.keras.layers.Dense(10)])
+    return _train_step(model, _XENT), _classification_batch(batch, (784,), 10)
+
+
+def cifar_resnet(blocks=10, batch=128, width=16):
+    """A CIFAR-shaped ResNet: conv stem, `blocks` residual blocks (conv-BN-ReLU x2
+    with an identity skip), global pooling, dense 10."""
+    inputs = tf.keras.Input((32, 32, 3))
+    h = tf.keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(inputs)
+    h = tf.keras.layers.ReLU()(tf.keras.layers.BatchNormalization()(h))
+    for _ in range(blocks):
+        r = tf.keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(h)
+        r = tf.keras.layers.ReLU()(tf.keras.layers.BatchNormalization()(r))
+        r = tf.keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(r)
+        r = tf.keras.layers.BatchNormalization()(r)
+        h = tf.keras.layers.ReLU()(tf.keras.layers.Add()([h, r]))
+    h = tf.keras.layers.GlobalAveragePooling2D()(h)
+    model = tf.keras.Model(inputs, tf.keras.layers.Dense(10)(h))
+    return _train_step(model, _XENT), _classification_batch(batch, (32, 32, 3), 10)
+
+
+def resnet50(batch=16, size=64):
+    model = tf.keras.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=10)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy()  # ResNet50 ends in softmax
+    return _train_step(model, loss), _classification_batch(batch, (size, size, 3), 10)
+
+
+def lstm_classifier(batch=64, steps=50, features=32, units=128):
+    model = tf.keras.Sequential([
+        tf.keras.Input((steps, features)),
+        tf.keras.layers.LSTM(units),
+        tf.keras.layers.Dense(10),
+    ])
+    return _train_step(model, _XENT), _classification_batch(batch, (steps, features), 10)
+
+
+MODELS = {
+    "seed_cnn": seed_cnn,
+    "mlp": mlp,
+    "cifar_resnet10": cifar_resnet,
+    "resnet50_64px": resnet50,
+    "lstm": lstm_classifier,
+}
