@@ -6,6 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/grappler/costs/graph_properties.h"
 #include "tensorflow/core/grappler/op_types.h"
@@ -123,9 +124,19 @@ ShapeBytes SizeOf(const OpInfo::TensorProperties& props,
   return out;
 }
 
-// The variable behind a resource handle, as its readers and writers see it.
+// The variable behind a resource handle: from the VarHandleOp's own dtype and
+// shape when they are complete, else as its direct readers and writers see it
+// (after function inlining they may reach it only through an Identity, hence the
+// attributes first).
 int64_t VariableBytes(const TensorTable& table, const GraphProperties& props,
                       int handle_tensor) {
+  const NodeDef& producer = *table.nodes[table.tensors[handle_tensor].node].def;
+  if (producer.op() == "VarHandleOp" && producer.attr().count("shape") &&
+      producer.attr().count("dtype")) {
+    const tensorflow::PartialTensorShape shape(producer.attr().at("shape").shape());
+    const int64_t element = tensorflow::DataTypeSize(producer.attr().at("dtype").type());
+    if (shape.IsFullyDefined() && element > 0) return shape.num_elements() * element;
+  }
   for (int consumer : table.tensors[handle_tensor].consumers) {
     const NodeDef& node = *table.nodes[consumer].def;
     const std::vector<OpInfo::TensorProperties>* shapes = nullptr;

@@ -1,11 +1,22 @@
-"""The tfmemopt command line: `tfmemopt demo`, more subcommands as passes land.
+"""The tfmemopt command line: `tfmemopt demo`, `tfmemopt analyze`.
 
 Exit codes: 0 success, 1 the job ran but failed, 2 bad usage or input.
 """
 
 import argparse
+import difflib
 import json
+import os
+import re
 import sys
+
+_EXPECTED = "expected a SavedModel directory or a GraphDef/MetaGraphDef .pb file"
+# Signature that SavedModels carry for their initializer: not part of a step.
+_INIT_SIGNATURE = "__saved_model_init_op"
+
+
+class _InputError(Exception):
+    """Bad input for `analyze`: printed as one line, exit code 2."""
 
 
 def _format_mib(n):
@@ -41,6 +52,220 @@ def _demo(args):
     return 0 if with_opt["ok"] and report else 1
 
 
+def _is_graph(graph_def):
+    return len(graph_def.node) > 0 and all(node.name and node.op for node in graph_def.node)
+
+
+def _parse(message_class, data):
+    from google.protobuf.message import DecodeError
+
+    try:
+        return message_class.FromString(data)
+    except DecodeError:
+        return None
+
+
+def _load_saved_model(path, saved_model_file):
+    from google.protobuf import text_format
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    with open(saved_model_file, "rb") as f:
+        data = f.read()
+    if saved_model_file.endswith(".pbtxt"):
+        try:
+            saved_model = text_format.Parse(data.decode("utf-8"), saved_model_pb2.SavedModel())
+        except (text_format.ParseError, UnicodeDecodeError):
+            saved_model = None
+    else:
+        saved_model = _parse(saved_model_pb2.SavedModel, data)
+    graphs = [m for m in saved_model.meta_graphs if _is_graph(m.graph_def)] if saved_model else []
+    if not graphs:
+        raise _InputError(f"{path} is not a GraphDef, MetaGraphDef or SavedModel "
+                          f"({os.path.basename(saved_model_file)} holds no graph)")
+    train = [m for m in graphs if "train" in m.meta_info_def.tags]
+    chosen = (train or graphs)[0]
+    tags = ",".join(chosen.meta_info_def.tags) or "no tags"
+    return chosen, f"SavedModel, meta graph tagged {tags}"
+
+
+def _load_metagraph(path):
+    """(MetaGraphDef, what it was) of a SavedModel directory or a binary SavedModel,
+    MetaGraphDef or GraphDef file. Raises _InputError naming what was expected."""
+    from tensorflow.core.framework import graph_pb2
+    from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
+
+    if not os.path.exists(path):
+        raise _InputError(f"{path}: no such file or directory; {_EXPECTED}")
+    if os.path.isdir(path):
+        for name in ("saved_model.pb", "saved_model.pbtxt"):
+            if os.path.isfile(os.path.join(path, name)):
+                return _load_saved_model(path, os.path.join(path, name))
+        raise _InputError(f"{path} is a directory without saved_model.pb, so not a "
+                          f"SavedModel; {_EXPECTED}")
+    with open(path, "rb") as f:
+        data = f.read()
+    # The parser rejects bytes of another message type (wrong wire types), so the
+    # first type that parses and holds graph nodes is what the file is.
+    saved_model = _parse(saved_model_pb2.SavedModel, data)
+    if saved_model is not None and any(_is_graph(m.graph_def) for m in saved_model.meta_graphs):
+        return _load_saved_model(path, path)
+    metagraph = _parse(meta_graph_pb2.MetaGraphDef, data)
+    if metagraph is not None and _is_graph(metagraph.graph_def):
+        return metagraph, "MetaGraphDef"
+    graph_def = _parse(graph_pb2.GraphDef, data)
+    if graph_def is not None and _is_graph(graph_def):
+        metagraph = meta_graph_pb2.MetaGraphDef()
+        metagraph.graph_def.CopyFrom(graph_def)
+        return metagraph, "GraphDef"
+    what = "an empty file" if not data else "a binary protobuf with graph nodes expected"
+    raise _InputError(f"{path} is not a GraphDef, MetaGraphDef or SavedModel ({what})")
+
+
+def _tensor_names(tensor_info):
+    encoding = tensor_info.WhichOneof("encoding")
+    if encoding == "name":
+        return [tensor_info.name]
+    if encoding == "coo_sparse":
+        sparse = tensor_info.coo_sparse
+        return [sparse.values_tensor_name, sparse.indices_tensor_name,
+                sparse.dense_shape_tensor_name]
+    if encoding == "composite_tensor":
+        return [name for component in tensor_info.composite_tensor.components
+                for name in _tensor_names(component)]
+    return []
+
+
+def _fetches_of(metagraph, fetch=None):
+    """(names to fetch, where they came from): --fetch, else the train op
+    collection, else the outputs of the signatures."""
+    if fetch:
+        return list(dict.fromkeys(fetch)), "--fetch"
+    # "saved_model_train_op" is where SavedModelBuilder(train_op=...) stores it.
+    for key in ("train_op", "saved_model_train_op"):
+        if key in metagraph.collection_def:
+            # Optimizer.minimize() adds its op too, so a train op is often listed twice.
+            names = list(dict.fromkeys(metagraph.collection_def[key].node_list.value))
+            if names:
+                return names, f"collection {key}"
+    names, keys = [], []
+    for key in sorted(metagraph.signature_def):
+        if key == _INIT_SIGNATURE:
+            continue
+        outputs = metagraph.signature_def[key].outputs
+        found = [n for out in sorted(outputs) for n in _tensor_names(outputs[out]) if n]
+        if found:
+            names.extend(n for n in found if n not in names)
+            keys.append(key)
+    label = "signature" if len(keys) == 1 else "signatures"
+    return names, f"{label} {', '.join(keys)}" if names else None
+
+
+def _node_name(name):
+    return name.lstrip("^").split(":")[0]
+
+
+def _check_fetches(metagraph, fetch, path, source):
+    nodes = {node.name for node in metagraph.graph_def.node}
+    for name in fetch:
+        if _node_name(name) not in nodes:
+            close = difflib.get_close_matches(_node_name(name), sorted(nodes), n=3)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            raise _InputError(f"{path}: fetch {name!r} from {source} names no node of the "
+                              f"graph{hint}")
+
+
+def _prepare_metagraph(metagraph, fetch, default_device):
+    """The MetaGraphDef the pass analyzes: the nodes that `fetch` needs, placed, with
+    `fetch` as the train op."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    graph_def = metagraph.graph_def
+    nodes = {node.name: node for node in graph_def.node}
+    # Only what the step runs: a SavedModel also holds save/restore and init ops,
+    # and their placeholders (e.g. saver_filename) would show up in the report as
+    # tensors of unknown size.
+    keep, stack = set(), [_node_name(name) for name in fetch]
+    while stack:
+        name = stack.pop()
+        if name in keep or name not in nodes:
+            continue
+        keep.add(name)
+        stack.extend(_node_name(i) for i in nodes[name].input)
+    out = meta_graph_pb2.MetaGraphDef()
+    out.graph_def.versions.CopyFrom(graph_def.versions)
+    out.graph_def.library.CopyFrom(graph_def.library)
+    for node in graph_def.node:
+        if node.name in keep:
+            copy = out.graph_def.node.add()
+            copy.CopyFrom(node)
+            # As tfmemopt.analyze() does: training places an unpinned step on the
+            # default device, and the report is per device.
+            if not copy.device:
+                copy.device = default_device
+    # No saver_def, collections or signatures are carried over. A saver_def makes
+    # Grappler preserve the save and restore calls, yet on TF 2.21 SavedModels its
+    # function optimizer removes the save call anyway: the pass's verifier then sees
+    # a preserved node vanish and falls back. (The same optimizer inlines the
+    # signature's StatefulPartitionedCall, which is how the pass sees the step.)
+    out.collection_def["train_op"].node_list.value.extend(fetch)
+    return out
+
+
+def _budget_arg(text):
+    """--budget: '0.8' (a plain decimal) is a fraction of device memory, anything
+    else a size in bytes ('2GiB', '512MB', '1073741824')."""
+    if re.fullmatch(r"\s*(\d+\.\d*|\.\d+)\s*", text):
+        return float(text)
+    return text
+
+
+def _check_output(option, path):
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise _InputError(f"{option} {path}: directory {directory} does not exist")
+
+
+def _analyze(args):
+    import tfmemopt
+    from tfmemopt.analysis import _default_device
+
+    fields = {"assume_batch_size": args.assume_batch_size} if args.assume_batch_size else {}
+    budget = _budget_arg(args.budget) if args.budget is not None else None
+    try:
+        tfmemopt.make_config(budget, **fields)
+    except (ValueError, TypeError) as err:
+        message = str(err).removeprefix("tfmemopt: ")
+        raise _InputError(f"--budget {args.budget}: {message}") from None
+    for option, path in (("--plot", args.plot), ("--html", args.html)):
+        if path:
+            _check_output(option, path)
+    if args.plot or args.html:
+        try:
+            from tfmemopt.report import _matplotlib
+            _matplotlib()
+        except ImportError as err:
+            raise _InputError(f"{'--plot' if args.plot else '--html'} needs matplotlib: "
+                              f"{str(err).split(': ')[-1]}") from None
+    metagraph, kind = _load_metagraph(args.path)
+    fetch, source = _fetches_of(metagraph, args.fetch)
+    if not fetch:
+        raise _InputError(f"{args.path} has no train op or fetch; pass --fetch NODE")
+    _check_fetches(metagraph, fetch, args.path, source)
+    prepared = _prepare_metagraph(metagraph, fetch, _default_device())
+    print(f"tfmemopt analyze: {args.path} ({kind}); fetching {', '.join(fetch)} "
+          f"(from {source})", flush=True)
+    report = tfmemopt.analyze_metagraph(prepared, budget, **fields)
+    print(report.to_text())
+    title = os.path.basename(os.path.normpath(args.path))
+    if args.plot:
+        print(f"wrote plot {report.plot(args.plot, title=title)}")
+    if args.html:
+        print(f"wrote html {report.to_html(args.html, title=title)}")
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    return 0 if report.status == "ok" else 1
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="tfmemopt",
@@ -60,6 +285,32 @@ def build_parser():
     demo.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
     demo.add_argument("--json", action="store_true", help="also print the results as JSON")
     demo.set_defaults(run=_demo)
+    analyze = sub.add_parser(
+        "analyze", help="predict the memory of a saved training graph, without running it",
+        description="Run the TfMemOpt pass (analysis only, nothing is executed) on a "
+                    "SavedModel directory, or a binary GraphDef or MetaGraphDef .pb file, "
+                    "and print its report. What is analyzed is what the fetches need: "
+                    "--fetch, else the graph's train_op collection, else the outputs of "
+                    "the SavedModel's signatures.",
+        epilog="Exit codes: 0 success, 1 the pass fell back (see the report), 2 bad "
+               "usage or input.")
+    analyze.add_argument("path", metavar="PATH",
+                         help="SavedModel directory, or GraphDef/MetaGraphDef .pb file")
+    analyze.add_argument("--budget", metavar="SIZE",
+                         help="per-device budget: bytes or a size like 2GiB or 512MB, or a "
+                              "fraction of device memory like 0.8 (default 0.9)")
+    analyze.add_argument("--fetch", metavar="NODE", nargs="+", action="extend",
+                         help="node or tensor names the step runs (default: the train op "
+                              "or the signature outputs)")
+    analyze.add_argument("--assume-batch-size", metavar="N", type=int, default=0,
+                         help="stands in for an unknown batch dimension")
+    analyze.add_argument("--json", action="store_true",
+                         help="also print the report as one JSON line, last")
+    analyze.add_argument("--plot", metavar="OUT.png",
+                         help="write the memory timeline chart as a PNG (needs matplotlib)")
+    analyze.add_argument("--html", metavar="OUT.html",
+                         help="write a standalone HTML report (needs matplotlib)")
+    analyze.set_defaults(run=_analyze)
     return parser
 
 
@@ -72,7 +323,13 @@ def main(argv=None):
     for name in ("batch", "cap_mb", "steps"):
         if getattr(args, name, 1) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    return args.run(args)
+    if getattr(args, "assume_batch_size", 0) < 0:
+        parser.error(f"--assume-batch-size must be >= 0, got {args.assume_batch_size}")
+    try:
+        return args.run(args)
+    except _InputError as err:
+        print(f"tfmemopt {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

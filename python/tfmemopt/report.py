@@ -1,7 +1,11 @@
 """Reports of the TfMemOpt pass: one per graph it optimized in this process."""
 
+import base64
 import collections
+import html
+import io
 import json
+import re
 
 PeakTensor = collections.namedtuple("PeakTensor", "name op bytes role device")
 
@@ -11,6 +15,47 @@ def format_bytes(n):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
+
+
+_PLOT_HINT = "pip install 'tfmemopt[plot]'"
+
+# Stack order and colours of the timeline chart, bottom to top.
+_SERIES = (
+    ("weights and optimizer state", "#9e9e9e"),
+    ("activations", "#4c72b0"),
+    ("gradients", "#dd8452"),
+)
+_HOST_SERIES = ("swapped to host", "#55a868")
+_CALL_SCOPE = re.compile(r"(Stateful)?PartitionedCall(_[0-9]+)?")
+
+
+def _matplotlib():
+    """Figure and the Agg canvas, without touching pyplot's global backend (which
+    would switch the backend of a notebook or GUI the caller is running)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(
+            f"tfmemopt: Report.plot() and Report.to_html() need matplotlib: {_PLOT_HINT}"
+        ) from err
+    return Figure, FigureCanvasAgg
+
+
+def _axis_unit(top):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if top >= size:
+            return unit, size
+    return "B", 1
+
+
+def _short_name(name, limit=40):
+    """The last two scopes of a node name: enough to recognise the layer and op.
+    Scopes that inlined function calls add (StatefulPartitionedCall/) say neither."""
+    parts = name.split("/")
+    parts = [p for p in parts[:-1] if not _CALL_SCOPE.fullmatch(p)] + parts[-1:]
+    short = "/".join(parts[-2:])
+    return short if len(short) <= limit else "…" + short[-(limit - 1):]
 
 
 class Report:
@@ -92,6 +137,184 @@ class Report:
                 lines.append(f"    {format_bytes(t.bytes):>10}  {t.name} ({t.op}, {t.role}, {t.device})")
         lines.append(f"  pass time {self.total_seconds * 1000:.1f} ms")
         return "\n".join(lines)
+
+    def figure(self, title=None):
+        """The memory timeline as a matplotlib Figure: live bytes at each step of the
+        simulated schedule, stacked by role, one subplot per device, with the budget
+        and the predicted peak (annotated with the 3 largest tensors live there).
+
+        title: a name for the graph, shown before its id in subplot titles. Needs
+        matplotlib: pip install 'tfmemopt[plot]'.
+        """
+        figure_class, canvas_class = _matplotlib()
+        import numpy as np  # a dependency of matplotlib, so present when it is
+
+        title = f"{title} (graph {self.graph_id})" if title else f"graph {self.graph_id}"
+        devices = self._data["devices"]
+        timelines = {t["device"]: t for t in self._data.get("timeline", [])}
+        rows = max(1, len(devices))
+        fig = figure_class(figsize=(10, 5 if rows == 1 else 4 * rows), dpi=100,
+                           layout="constrained")
+        canvas_class(fig)
+        axes = fig.subplots(rows, 1, squeeze=False)[:, 0]
+        if not devices:
+            axes[0].set_axis_off()
+            axes[0].set_title(f"{title}: no memory timeline", fontsize=10)
+            why = (f"stage '{self.failed_stage}' failed: {self.message}"
+                   if self.status != "ok" else "the pass found no tensors to place")
+            axes[0].text(0.5, 0.5, why, ha="center", va="center", wrap=True)
+            return fig
+        for ax, device in zip(axes, devices):
+            self._plot_device(ax, device, timelines.get(device["device"]), title, np)
+        return fig
+
+    def _plot_device(self, ax, device, timeline, title, np):
+        name = device["device"] or "(unplaced)"
+        peak, budget = device["peak_after_bytes"], device["budget_bytes"]
+        heading = f"{title} on {name}: predicted peak {format_bytes(peak)}"
+        if device["peak_before_bytes"] != peak:
+            heading += f" (before the plan {format_bytes(device['peak_before_bytes'])})"
+        if budget and peak > budget:
+            heading += f", {format_bytes(peak - budget)} over budget"
+        ax.set_title(heading, fontsize=10)
+        if not timeline or not timeline["activation_bytes"]:
+            ax.text(0.5, 0.5, "no timeline for this device", ha="center", va="center",
+                    transform=ax.transAxes)
+            return
+        steps = len(timeline["activation_bytes"])
+        layers = [
+            np.full(steps, timeline["persistent_bytes"], dtype=float),
+            np.asarray(timeline["activation_bytes"], dtype=float),
+            np.asarray(timeline["gradient_bytes"], dtype=float),
+        ]
+        styles = [dict(label=label, color=color) for label, color in _SERIES]
+        if timeline.get("host_bytes") is not None:
+            # Stacked on top of device memory, hatched: the part of the step's data
+            # that a swap keeps off the device, so the chart shows what the device
+            # would hold without it.
+            layers.append(np.asarray(timeline["host_bytes"], dtype=float))
+            styles.append(dict(label=_HOST_SERIES[0] + " (off device)", facecolor="none",
+                               edgecolor=_HOST_SERIES[1], hatch="///"))
+        tops = np.cumsum(layers, axis=0)
+        data_top = max(float(tops[-1].max()), float(peak), 1.0)
+        # A budget far above the data would flatten the chart: past 2.5x the peak it
+        # is named in the legend instead of drawn.
+        budget_drawn = 0 < budget <= 2.5 * data_top
+        # Headroom above the data for the peak annotation box.
+        y_top = max(data_top, budget if budget_drawn else 0) * 1.35
+        unit, size = _axis_unit(y_top)
+        x = np.arange(steps)
+        bottom = np.zeros(steps)
+        for top, style in zip(tops, styles):
+            ax.fill_between(x, bottom / size, top / size, step="mid", linewidth=0, **style)
+            bottom = top
+        if budget_drawn:
+            ax.axhline(budget / size, color="crimson", linestyle="--", linewidth=1.2,
+                       label=f"budget {format_bytes(budget)}")
+        elif budget > 0:
+            ax.plot([], [], color="crimson", linestyle="--",
+                    label=f"budget {format_bytes(budget)} (above the chart)")
+        peak_step = device["peak_step"]
+        ax.plot([peak_step], [peak / size], marker="o", markersize=7, color="crimson",
+                markeredgecolor="white", linestyle="none", label="predicted peak")
+        tensors = sorted(device["top_tensors_at_peak"], key=lambda t: (-t["bytes"], t["name"]))
+        lines = [f"peak {format_bytes(peak)} at step {peak_step}"] + [
+            f"{format_bytes(t['bytes']):>10}  {_short_name(t['name'])} ({t['role']})"
+            for t in tensors[:3]
+        ]
+        # The box goes to the side away from the peak so it does not hide it.
+        left = peak_step > steps / 2
+        ax.annotate("\n".join(lines), xy=(peak_step, peak / size),
+                    xytext=(0.01 if left else 0.99, 0.97), textcoords="axes fraction",
+                    ha="left" if left else "right", va="top", fontsize=8, family="monospace",
+                    bbox=dict(boxstyle="round,pad=0.4", facecolor="white", edgecolor="0.7",
+                              alpha=0.9),
+                    arrowprops=dict(arrowstyle="->", color="crimson", linewidth=1))
+        ax.set_xlim(-0.5, steps - 0.5)
+        ax.set_ylim(0, y_top / size)
+        ax.set_xlabel("schedule step (nodes in the simulated order)")
+        ax.set_ylabel(f"live memory ({unit})")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(styles) + 2,
+                  fontsize=8, frameon=False)
+
+    def _png(self, title=None):
+        buffer = io.BytesIO()
+        self.figure(title).savefig(buffer, format="png")
+        return buffer.getvalue()
+
+    def plot(self, path, title=None):
+        """Writes the memory timeline chart (see figure()) to `path` as a PNG and
+        returns `path`. Needs matplotlib: pip install 'tfmemopt[plot]'."""
+        png = self._png(title)
+        with open(path, "wb") as f:
+            f.write(png)
+        return path
+
+    def to_html(self, path, title=None):
+        """Writes one standalone HTML page: the summary per device, the timeline
+        chart (embedded) and the tensors live at the peak. Returns `path`. Needs
+        matplotlib: pip install 'tfmemopt[plot]'."""
+        chart = base64.b64encode(self._png(title)).decode("ascii")
+        esc = lambda value: html.escape(str(value), quote=True)  # noqa: E731
+        heading = f"{title} (graph {self.graph_id})" if title else f"graph {self.graph_id}"
+        fits = {True: "yes", False: "no", None: "unknown (no budget)"}[self.fits]
+        devices = self._data["devices"]
+        parts = [
+            "<!DOCTYPE html>",
+            '<html lang="en"><head><meta charset="utf-8">',
+            f"<title>tfmemopt memory report: {esc(heading)}</title>",
+            "<style>body{font-family:sans-serif;margin:2em;max-width:70em}"
+            "table{border-collapse:collapse;margin:1em 0}"
+            "th,td{border:1px solid #ccc;padding:.3em .6em;text-align:left}"
+            "td.num{text-align:right;font-variant-numeric:tabular-nums}"
+            "img{max-width:100%}.fallback{color:#b00}</style></head><body>",
+            f"<h1>tfmemopt memory report: {esc(heading)}</h1>",
+            f"<p>graph <code>{esc(self.graph_id)}</code>, status <b>{esc(self.status)}</b>, "
+            f"mode {esc(self.mode)}, {self.num_nodes} nodes, {self.num_tensors} tensors; "
+            f"fits the budget: <b>{fits}</b></p>",
+        ]
+        if self.status != "ok":
+            parts.append(
+                f'<p class="fallback">stage {esc(self.failed_stage)} failed: '
+                f"{esc(self.message)}; the original graph was used</p>")
+        if self.unresolved_tensors:
+            parts.append(
+                f"<p>{self.unresolved_tensors} tensors have unknown dimensions, counted as 1 "
+                f"(e.g. {esc(', '.join(self._data.get('unresolved_examples', [])))}); set "
+                "assume_batch_size to resolve the batch dimension</p>")
+        parts.append(
+            "<table><thead><tr><th>device</th><th>predicted peak</th><th>before the plan"
+            "</th><th>budget</th><th>persistent</th><th>fits</th></tr></thead><tbody>")
+        for d in devices:
+            budget = d["budget_bytes"]
+            device_fits = "unknown" if not budget else (
+                "yes" if d["peak_after_bytes"] <= budget else "no")
+            parts.append(
+                f'<tr class="device"><td>{esc(d["device"] or "(unplaced)")}</td>'
+                f'<td class="num">{format_bytes(d["peak_after_bytes"])}</td>'
+                f'<td class="num">{format_bytes(d["peak_before_bytes"])}</td>'
+                f'<td class="num">{format_bytes(budget) if budget else "unknown"}</td>'
+                f'<td class="num">{format_bytes(d["persistent_bytes"])}</td>'
+                f"<td>{device_fits}</td></tr>")
+        parts.append("</tbody></table>")
+        parts.append(f'<img alt="memory timeline of {esc(heading)}" '
+                     f'src="data:image/png;base64,{chart}">')
+        parts.append(
+            "<h2>Tensors live at the peak</h2><table><thead><tr><th>name</th><th>op</th>"
+            "<th>role</th><th>device</th><th>bytes</th></tr></thead><tbody>")
+        for d in devices:
+            for t in sorted(d["top_tensors_at_peak"], key=lambda t: (-t["bytes"], t["name"])):
+                parts.append(
+                    f'<tr class="tensor"><td><code>{esc(t["name"])}</code></td>'
+                    f'<td>{esc(t["op"])}</td><td>{esc(t["role"])}</td>'
+                    f'<td>{esc(d["device"] or "(unplaced)")}</td>'
+                    f'<td class="num" title="{t["bytes"]} bytes">{format_bytes(t["bytes"])}'
+                    "</td></tr>")
+        parts.append("</tbody></table></body></html>")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n".join(parts) + "\n")
+        return path
 
     def __repr__(self):
         peaks = ", ".join(
