@@ -7,19 +7,8 @@ fixed-shape synthetic batch, so that the graph TF builds is the same each run.
 import numpy as np
 import tensorflow as tf
 
-
-def _train_step(model, loss_fn):
-    optimizer = tf.keras.optimizers.Adam()
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    return train_step
+from tfmemopt.demo import keras_train_step as _train_step
+from tfmemopt.demo import seed_cnn_train_step
 
 
 def _classification_batch(batch, input_shape, classes, seed=0):
@@ -33,17 +22,9 @@ _XENT = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def seed_cnn(batch=512):
-    """conv32-conv64-maxpool-fc128-fc10 on 28x28x1 (the seed-000 model)."""
-    model = tf.keras.Sequential([
-        tf.keras.Input((28, 28, 1)),
-        tf.keras.layers.Conv2D(32, 3, activation="relu"),
-        tf.keras.layers.Conv2D(64, 3, activation="relu"),
-        tf.keras.layers.MaxPooling2D(2),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(128, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
-    return _train_step(model, _XENT), _classification_batch(batch, (28, 28, 1), 10)
+    """conv32-conv64-maxpool-fc128-fc10 on 28x28x1 (the seed-000 model, as the demo)."""
+    step, x, y = seed_cnn_train_step(batch)
+    return step, (x, y)
 
 
 def mlp(batch=512, width=1024, depth=3):

@@ -87,11 +87,17 @@ def reports_for(prefix):
     return [r for r in tfmemopt.reports() if r.graph_id.startswith(prefix)]
 
 
-def run_python(code, env=None, timeout=300):
-    """Runs `code` in a fresh interpreter (for settings that must precede TF start)."""
+def _run(argv, env=None, timeout=600):
     full_env = dict(os.environ)
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True,
-        env=full_env, timeout=timeout,
-    )
+    return subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def run_python(code, env=None, timeout=600):
+    """Runs `code` in a fresh interpreter (for settings that must precede TF start)."""
+    return _run([sys.executable, "-c", code], env, timeout)
+
+
+def tfmemopt_cli(*args, env=None, timeout=600):
+    """Runs `python -m tfmemopt ARGS...` in a fresh interpreter."""
+    return _run([sys.executable, "-m", "tfmemopt", *map(str, args)], env, timeout)

@@ -1,7 +1,7 @@
 """The tensor table and simulator on a real CNN train step: sizes, roles, peak."""
 
 import tfmemopt
-from tfmemopt.demo import seed_cnn_train_step
+from tfmemopt.demo import keras_train_step, seed_cnn_train_step
 
 BATCH = 128
 
@@ -57,17 +57,8 @@ def lstm_step(steps, batch=32, units=64):
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential([
         tf.keras.Input((steps, 16)), tf.keras.layers.LSTM(units), tf.keras.layers.Dense(10)])
-    optimizer = tf.keras.optimizers.Adam()
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    train_step = keras_train_step(
+        model, tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x = tf.constant(np.ones((batch, steps, 16), np.float32))
     y = tf.constant(np.zeros((batch,), np.int32))
     return train_step, x, y

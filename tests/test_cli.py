@@ -1,19 +1,15 @@
 """The command line: help, usage errors, and the demo end to end."""
 
 import json
-import subprocess
-import sys
 
-
-def tfmemopt_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "tfmemopt", *args],
-                          capture_output=True, text=True, timeout=timeout)
+from conftest import tfmemopt_cli
 
 
 def test_no_arguments_prints_help():
     result = tfmemopt_cli()
     assert result.returncode == 0
-    assert "usage: tfmemopt" in result.stdout and "demo" in result.stdout
+    assert "usage: tfmemopt" in result.stdout
+    assert "demo" in result.stdout and "analyze" in result.stdout
 
 
 def test_demo_help():

@@ -4,25 +4,16 @@ report out (text, JSON, PNG, HTML); bad input exits 2 with one line saying why."
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import BATCH, CLASSES, FEATURES, HIDDEN, build_v1_mlp_train_op
+from conftest import BATCH, CLASSES, FEATURES, HIDDEN, build_v1_mlp_train_op, tfmemopt_cli
 
 VARIABLE_BYTES = (FEATURES * HIDDEN + HIDDEN * CLASSES) * 4
 W1_BYTES = FEATURES * HIDDEN * 4
 EXPECTED = "expected a SavedModel directory or a GraphDef/MetaGraphDef .pb file"
-
-
-def tfmemopt_cli(*args, env=None, timeout=300):
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tfmemopt", *map(str, args)],
-                          capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
 class MlpTrainer(tf.Module):
@@ -82,12 +73,6 @@ def saved_model_run(saved_model, tmp_path_factory):
 
 def json_report(result):
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def test_no_arguments_prints_help_listing_analyze():
-    result = tfmemopt_cli()
-    assert result.returncode == 0
-    assert "usage: tfmemopt" in result.stdout and "analyze" in result.stdout
 
 
 def test_analyze_help():

@@ -35,6 +35,23 @@ print("TFMEMOPT_TRIAL " + json.dumps(result))
 '''
 
 
+def keras_train_step(model, loss_fn):
+    """A tf.function train step for `model`: loss under a GradientTape, then Adam."""
+    import tensorflow as tf
+
+    optimizer = tf.keras.optimizers.Adam()
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return train_step
+
+
 def seed_cnn_train_step(batch, seed=0):
     """The seed-000 CNN (conv32-conv64-maxpool-fc128-fc10 on 28x28x1, Adam) and a
     synthetic batch. Returns (train_step, x, y)."""
@@ -51,21 +68,11 @@ def seed_cnn_train_step(batch, seed=0):
         tf.keras.layers.Dense(128, activation="relu"),
         tf.keras.layers.Dense(10),
     ])
-    optimizer = tf.keras.optimizers.Adam()
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     rng = np.random.default_rng(seed)
     x = tf.constant(rng.random((batch, 28, 28, 1), dtype=np.float32))
     y = tf.constant(rng.integers(0, 10, size=(batch,), dtype=np.int32))
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    return train_step, x, y
+    return keras_train_step(model, loss_fn), x, y
 
 
 def run_trial(batch, cap_mb, use_tfmemopt, steps=2, timeout=600):
