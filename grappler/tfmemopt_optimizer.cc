@@ -25,17 +25,25 @@ namespace {
 using tensorflow::grappler::Cluster;
 using tensorflow::grappler::GrapplerItem;
 
-// TF's CPU test bed caps its BFC allocator through the environment; the Grappler
-// cluster does not know about it, so it is read here.
-int64_t CpuBfcLimitBytes() {
+// TF's CPU test bed switches the CPU allocator to BFC and caps it through the
+// environment; the Grappler cluster does not know about it, so it is read here.
+bool CpuUsesBfc() {
   const char* use_bfc = std::getenv("TF_CPU_ALLOCATOR_USE_BFC");
-  const char* limit_mb = std::getenv("TF_CPU_BFC_MEM_LIMIT_IN_MB");
-  if (use_bfc == nullptr || limit_mb == nullptr) return 0;
+  if (use_bfc == nullptr) return false;
   const std::string flag(use_bfc);
-  if (flag != "true" && flag != "1" && flag != "True") return 0;
-  char* end = nullptr;
-  const long long mb = std::strtoll(limit_mb, &end, 10);
-  if (end == limit_mb || mb <= 0) return 0;
+  return flag == "true" || flag == "1" || flag == "True";
+}
+
+// The CPU BFC cap in bytes; TF's default is 64 GiB when none is set. 0: no BFC.
+int64_t CpuBfcLimitBytes() {
+  if (!CpuUsesBfc()) return 0;
+  const char* limit_mb = std::getenv("TF_CPU_BFC_MEM_LIMIT_IN_MB");
+  long long mb = 1LL << 16;
+  if (limit_mb != nullptr) {
+    char* end = nullptr;
+    const long long parsed = std::strtoll(limit_mb, &end, 10);
+    if (end != limit_mb && parsed > 0) mb = parsed;
+  }
   return static_cast<int64_t>(mb) << 20;
 }
 
@@ -53,8 +61,9 @@ void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
   if (absl::StartsWith(device->device, "CPU") || device->device.empty()) {
     const int64_t bfc_limit = CpuBfcLimitBytes();
     if (bfc_limit > 0) {
-      device->memory_bytes = bfc_limit;
+      device->memory_bytes = std::min(bfc_limit, HostRamBytes());
       device->memory_source = "TF_CPU_BFC_MEM_LIMIT_IN_MB";
+      device->allocator = "bfc";
       return;
     }
     if (absl::StartsWith(device->device, "CPU")) {
@@ -68,6 +77,8 @@ void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
     if (ShortDeviceName(name) == device->device && properties.memory_size() > 0) {
       device->memory_bytes = properties.memory_size();
       device->memory_source = "cluster";
+      // TF's GPU memory is a BFC allocator too.
+      if (absl::StartsWith(device->device, "GPU")) device->allocator = "bfc";
       return;
     }
   }
@@ -145,23 +156,27 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     }
   }
 
+  std::vector<DeviceReport> devices(table.devices.size());
   SimulationResult before;
   status = stages->Run("simulate", [&] {
+    SimulationOptions simulation;
+    for (size_t d = 0; d < table.devices.size(); ++d) {
+      devices[d].device = table.devices[d];
+      DescribeDeviceMemory(cluster, &devices[d]);
+      simulation.bfc_memory_limit.push_back(
+          devices[d].allocator == "bfc" ? devices[d].memory_bytes : 0);
+    }
     std::vector<int> order;
     absl::Status s = TopologicalOrder(item.graph, table, &order);
     if (!s.ok()) return s;
-    return Simulate(table, order, &before);
+    return Simulate(table, order, simulation, &before);
   });
   if (!status.ok()) return status;
 
   // Plan. The budget per device is settled here; the memory-saving mechanisms
   // (swap, recompute, scheduling) plug in at this point as they land.
-  std::vector<DeviceReport> devices(table.devices.size());
   status = stages->Run("plan", [&] {
-    for (size_t d = 0; d < table.devices.size(); ++d) {
-      DeviceReport& device = devices[d];
-      device.device = table.devices[d];
-      DescribeDeviceMemory(cluster, &device);
+    for (DeviceReport& device : devices) {
       if (options.budget_bytes > 0) {
         device.budget_bytes = options.budget_bytes;
       } else if (device.memory_bytes > 0) {
@@ -181,8 +196,11 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       const DeviceTimeline& timeline = before.devices[d];
       DeviceReport& device = devices[d];
       device.persistent_bytes = timeline.persistent_bytes;
-      device.peak_before_bytes = timeline.peak_bytes;
-      device.peak_after_bytes = timeline.peak_bytes;  // nothing is rewritten yet
+      device.live_peak_bytes = timeline.peak_bytes;
+      device.peak_before_bytes = timeline.allocator_peak_bytes > 0
+                                     ? timeline.allocator_peak_bytes
+                                     : timeline.peak_bytes;
+      device.peak_after_bytes = device.peak_before_bytes;  // nothing is rewritten yet
       device.peak_step = timeline.peak_step;
       FillPeakTensors(table, timeline, &device);
     }

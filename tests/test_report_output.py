@@ -70,8 +70,10 @@ def test_chart_stacks_the_roles_and_marks_the_peak(cnn):
     labels = legend_labels(ax)
     assert labels[:3] == ["weights and optimizer state", "activations", "gradients"]
     assert not any("host" in label for label in labels)
-    (marker,) = [line for line in ax.get_lines() if line.get_label() == "predicted peak"]
+    (marker,) = [line for line in ax.get_lines() if line.get_label() == "peak of live tensors"]
     assert list(marker.get_xdata()) == [device["peak_step"]]
+    # Without a BFC allocator to model, the predicted peak is the live-tensor peak.
+    assert device["allocator"] == "none" and device["live_peak_bytes"] == peak
     assert list(marker.get_ydata()) == pytest.approx([peak / MIB])
     # The stack's top at the peak step is the peak: persistent + activations + gradients.
     timeline = cnn.to_dict()["timeline"][0]

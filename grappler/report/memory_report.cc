@@ -81,6 +81,8 @@ std::string MemoryReport::ToJson() const {
         << ",\"persistent_bytes\":" << d.persistent_bytes
         << ",\"peak_before_bytes\":" << d.peak_before_bytes
         << ",\"peak_after_bytes\":" << d.peak_after_bytes
+        << ",\"live_peak_bytes\":" << d.live_peak_bytes
+        << ",\"allocator\":" << Quote(d.allocator)
         << ",\"peak_step\":" << d.peak_step << ",\"top_tensors_at_peak\":[";
     for (size_t j = 0; j < d.top_tensors_at_peak.size(); ++j) {
       const PeakTensor& t = d.top_tensors_at_peak[j];

@@ -27,8 +27,12 @@ struct DeviceReport {
   std::string memory_source;  // "cluster", "TF_CPU_BFC_MEM_LIMIT_IN_MB", "none"
   int64_t budget_bytes = 0;   // 0 = no budget known
   int64_t persistent_bytes = 0;
+  // Predicted peak: as the device's allocator counts it (BFC chunks) where that is
+  // modelled, else the sum of live tensors.
   int64_t peak_before_bytes = 0;
   int64_t peak_after_bytes = 0;
+  int64_t live_peak_bytes = 0;  // sum of live tensors at the peak step (after)
+  std::string allocator = "none";  // "bfc" when the allocator model applies
   int peak_step = -1;
   std::vector<PeakTensor> top_tensors_at_peak;  // 10 largest
 };

@@ -4,6 +4,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "grappler/simulate/bfc_allocator_model.h"
 #include "tensorflow/core/grappler/utils/topological_sort.h"
 
 namespace tfmemopt {
@@ -26,7 +27,7 @@ absl::Status TopologicalOrder(const tensorflow::GraphDef& graph,
 }
 
 absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
-                      SimulationResult* result) {
+                      const SimulationOptions& options, SimulationResult* result) {
   result->order = order;
   result->devices.clear();
   const int num_devices = static_cast<int>(table.devices.size());
@@ -64,10 +65,13 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
   };
 
   // Runs the order up to and including step `last`; `on_step` sees the live set
-  // between allocation and release.
+  // between allocation and release, `on_alloc`/`on_free` see each buffer.
   std::vector<bool> live;
   std::vector<int64_t> activation, gradient;
-  auto run = [&](size_t last, const std::function<void(size_t)>& on_step) {
+  using BufferHook = std::function<void(int)>;
+  const BufferHook no_hook = [](int) {};
+  auto run = [&](size_t last, const std::function<void(size_t)>& on_step,
+                 const BufferHook& on_alloc, const BufferHook& on_free) {
     // Remaining reads per buffer: every consumer edge of every tensor on it. A
     // fetched tensor holds one extra read that is never released.
     std::vector<int64_t> pending(table.buffers.size(), 0);
@@ -93,6 +97,7 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
       if (pending[b] == 0 && live[b]) {
         live[b] = false;
         add(b, -1);
+        on_free(b);
       }
     };
     for (size_t step = 0; step <= last && step < order.size(); ++step) {
@@ -103,6 +108,7 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
         if (table.buffers[b].persistent || live[b] || table.buffers[b].owner != t) continue;
         live[b] = true;
         add(b, +1);
+        on_alloc(b);
       }
       on_step(step);
       for (int t : node.inputs) {
@@ -138,7 +144,7 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
       timeline.gradient_bytes.push_back(gradient[d]);
       role[d] -= temp;
     }
-  });
+  }, no_hook, no_hook);
   for (int d = 0; d < num_devices; ++d) {
     DeviceTimeline& timeline = result->devices[d];
     if (timeline.peak_step < 0) continue;
@@ -148,7 +154,39 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
       for (size_t b = 0; b < live.size(); ++b) {
         if (live[b] && device_of_buffer[b] == d) timeline.live_at_peak.push_back(b);
       }
-    });
+    }, no_hook, no_hook);
+  }
+
+  // The allocator model: persistent buffers first, then a warm-up step (which
+  // shapes BFC's regions, as the first real step does), then the measured step.
+  for (int d = 0; d < num_devices && d < static_cast<int>(options.bfc_memory_limit.size()); ++d) {
+    if (options.bfc_memory_limit[d] <= 0) continue;
+    BfcAllocatorModel allocator(options.bfc_memory_limit[d]);
+    for (size_t b = 0; b < table.buffers.size(); ++b) {
+      if (table.buffers[b].persistent && device_of_buffer[b] == d) {
+        allocator.Allocate(table.buffers[b].bytes);
+      }
+    }
+    std::vector<int64_t> chunk(table.buffers.size(), -2);
+    const BufferHook on_alloc = [&](int b) {
+      if (device_of_buffer[b] == d) chunk[b] = allocator.Allocate(table.buffers[b].bytes);
+    };
+    const BufferHook on_free = [&](int b) {
+      allocator.Free(chunk[b]);
+      chunk[b] = -2;
+    };
+    const auto on_step = [&](size_t step) {
+      const int n = order[step];
+      if (device_of_node[n] == d && table.nodes[n].temp_bytes > 0) {
+        allocator.Free(allocator.Allocate(table.nodes[n].temp_bytes));
+      }
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+      if (pass == 1) allocator.ResetPeak();
+      run(order.size(), on_step, on_alloc, on_free);
+      for (size_t b = 0; b < chunk.size(); ++b) on_free(static_cast<int>(b));  // step outputs
+    }
+    result->devices[d].allocator_peak_bytes = allocator.peak_bytes_in_use();
   }
   for (DeviceTimeline& timeline : result->devices) {
     std::sort(timeline.live_at_peak.begin(), timeline.live_at_peak.end(),

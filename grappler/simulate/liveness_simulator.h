@@ -33,6 +33,15 @@ struct DeviceTimeline {
   std::vector<int64_t> gradient_bytes;
   // Buffers live at the peak step, largest first (buffer indices).
   std::vector<int> live_at_peak;
+  // Peak bytes in use as TF's BFC allocator would count them (whole chunks), for
+  // a step run after a warm-up step; 0 when the device's allocator is not modelled.
+  int64_t allocator_peak_bytes = 0;
+};
+
+struct SimulationOptions {
+  // Per device (TensorTable::devices order): the BFC memory limit to model, or 0
+  // for devices whose allocator is not BFC. Empty: no allocator model.
+  std::vector<int64_t> bfc_memory_limit;
 };
 
 struct SimulationResult {
@@ -45,7 +54,7 @@ absl::Status TopologicalOrder(const tensorflow::GraphDef& graph,
                               const TensorTable& table, std::vector<int>* order);
 
 absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
-                      SimulationResult* result);
+                      const SimulationOptions& options, SimulationResult* result);
 
 }  // namespace tfmemopt
 

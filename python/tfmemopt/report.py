@@ -84,6 +84,10 @@ class Report:
         self.devices = [d["device"] for d in devices]
         self.budget_bytes = {d["device"]: d["budget_bytes"] for d in devices}
         self.persistent_bytes = {d["device"]: d["persistent_bytes"] for d in devices}
+        # Sum of live tensors at the peak step; predicted_peak_bytes may be higher
+        # where the device's BFC allocator is modelled (it counts whole chunks).
+        self.live_peak_bytes = {d["device"]: d.get("live_peak_bytes", 0) for d in devices}
+        self.allocator = {d["device"]: d.get("allocator", "none") for d in devices}
         self.predicted_peak_bytes = {
             "before": {d["device"]: d["peak_before_bytes"] for d in devices},
             "after": {d["device"]: d["peak_after_bytes"] for d in devices},
@@ -124,6 +128,8 @@ class Report:
                 f" -> {format_bytes(d['peak_after_bytes'])}, budget {budget}"
                 f" (device memory {format_bytes(d['memory_bytes'])} from "
                 f"{d['memory_source']}), persistent {format_bytes(d['persistent_bytes'])}"
+                + (f", live tensors at the peak {format_bytes(d['live_peak_bytes'])}"
+                   f" (BFC allocator model)" if d.get("allocator") == "bfc" else "")
             )
         if self.unresolved_tensors:
             examples = ", ".join(self._data["unresolved_examples"])
@@ -196,7 +202,7 @@ class Report:
             styles.append(dict(label=_HOST_SERIES[0] + " (off device)", facecolor="none",
                                edgecolor=_HOST_SERIES[1], hatch="///"))
         tops = np.cumsum(layers, axis=0)
-        data_top = max(float(tops[-1].max()), float(peak), 1.0)
+        data_top = max(float(tops[-1].max()), float(peak), 1.0)  # BFC peak may be higher
         # A budget far above the data would flatten the chart: past 2.5x the peak it
         # is named in the legend instead of drawn.
         budget_drawn = 0 < budget <= 2.5 * data_top
@@ -215,16 +221,26 @@ class Report:
             ax.plot([], [], color="crimson", linestyle="--",
                     label=f"budget {format_bytes(budget)} (above the chart)")
         peak_step = device["peak_step"]
-        ax.plot([peak_step], [peak / size], marker="o", markersize=7, color="crimson",
-                markeredgecolor="white", linestyle="none", label="predicted peak")
+        # Under a BFC allocator the predicted peak counts whole chunks, so it sits
+        # above the live tensors; the marker stays on the curve and a dotted line
+        # shows what the allocator is predicted to hold.
+        live = device.get("live_peak_bytes", peak) or peak
+        ax.plot([peak_step], [live / size], marker="o", markersize=7, color="crimson",
+                markeredgecolor="white", linestyle="none", label="peak of live tensors")
+        if device.get("allocator") == "bfc" and peak > live:
+            ax.axhline(peak / size, color="0.3", linestyle=":", linewidth=1.2,
+                       label=f"predicted BFC peak {format_bytes(peak)}")
         tensors = sorted(device["top_tensors_at_peak"], key=lambda t: (-t["bytes"], t["name"]))
-        lines = [f"peak {format_bytes(peak)} at step {peak_step}"] + [
+        headline = f"peak {format_bytes(peak)} at step {peak_step}"
+        if live != peak:
+            headline += f" (live tensors {format_bytes(live)})"
+        lines = [headline] + [
             f"{format_bytes(t['bytes']):>10}  {_short_name(t['name'])} ({t['role']})"
             for t in tensors[:3]
         ]
         # The box goes to the side away from the peak so it does not hide it.
         left = peak_step > steps / 2
-        ax.annotate("\n".join(lines), xy=(peak_step, peak / size),
+        ax.annotate("\n".join(lines), xy=(peak_step, live / size),
                     xytext=(0.01 if left else 0.99, 0.97), textcoords="axes fraction",
                     ha="left" if left else "right", va="top", fontsize=8, family="monospace",
                     bbox=dict(boxstyle="round,pad=0.4", facecolor="white", edgecolor="0.7",

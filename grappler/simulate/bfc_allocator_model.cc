@@ -1,0 +1,100 @@
+#include "grappler/simulate/bfc_allocator_model.h"
+
+#include <algorithm>
+#include <iterator>
+
+namespace tfmemopt {
+namespace {
+
+constexpr int64_t kMinAllocationSize = 256;
+constexpr int64_t kMaxInternalFragmentation = 128LL << 20;
+
+int64_t Rounded(int64_t bytes) {
+  return (bytes + kMinAllocationSize - 1) / kMinAllocationSize * kMinAllocationSize;
+}
+
+}  // namespace
+
+BfcAllocatorModel::BfcAllocatorModel(int64_t memory_limit)
+    : memory_limit_(memory_limit),
+      next_region_bytes_(Rounded(std::min<int64_t>(memory_limit, 2 << 20))) {}
+
+bool BfcAllocatorModel::Extend(int64_t rounded) {
+  const int64_t available = (memory_limit_ - pool_) / kMinAllocationSize * kMinAllocationSize;
+  if (rounded > available) return false;
+  bool increased = false;
+  while (rounded > next_region_bytes_) {
+    next_region_bytes_ *= 2;
+    increased = true;
+  }
+  const int64_t bytes = std::min(next_region_bytes_, available);
+  if (!increased) next_region_bytes_ *= 2;
+  // Regions are separate address ranges: a gap keeps chunks of two regions from
+  // ever coalescing, as in BFC without region coalescing.
+  const int64_t address = next_address_;
+  next_address_ += bytes + kMinAllocationSize;
+  chunks_[address] = Chunk{bytes, next_region_++, false};
+  free_.insert({bytes, address});
+  pool_ += bytes;
+  return true;
+}
+
+int64_t BfcAllocatorModel::Allocate(int64_t bytes) {
+  if (bytes <= 0) return -2;  // nothing to allocate; Free() ignores it
+  const int64_t rounded = Rounded(bytes);
+  auto it = free_.lower_bound({rounded, -1});
+  if (it == free_.end()) {
+    if (!Extend(rounded)) return -1;
+    it = free_.lower_bound({rounded, -1});
+    if (it == free_.end()) return -1;
+  }
+  const int64_t address = it->second;
+  free_.erase(it);
+  Chunk& chunk = chunks_[address];
+  if (chunk.size >= 2 * rounded || chunk.size - rounded >= kMaxInternalFragmentation) {
+    Chunk rest{chunk.size - rounded, chunk.region, false};
+    chunk.size = rounded;
+    chunks_[address + rounded] = rest;
+    free_.insert({rest.size, address + rounded});
+  }
+  chunk.in_use = true;
+  in_use_ += chunk.size;
+  peak_ = std::max(peak_, in_use_);
+  return address;
+}
+
+void BfcAllocatorModel::InsertFree(int64_t address) {
+  auto it = chunks_.find(address);
+  // Merge with the next chunk, then with the previous one, when free and in the
+  // same region.
+  auto next = std::next(it);
+  if (next != chunks_.end() && !next->second.in_use &&
+      next->second.region == it->second.region &&
+      next->first == it->first + it->second.size) {
+    free_.erase({next->second.size, next->first});
+    it->second.size += next->second.size;
+    chunks_.erase(next);
+  }
+  if (it != chunks_.begin()) {
+    auto prev = std::prev(it);
+    if (!prev->second.in_use && prev->second.region == it->second.region &&
+        prev->first + prev->second.size == it->first) {
+      free_.erase({prev->second.size, prev->first});
+      prev->second.size += it->second.size;
+      chunks_.erase(it);
+      it = prev;
+    }
+  }
+  free_.insert({it->second.size, it->first});
+}
+
+void BfcAllocatorModel::Free(int64_t id) {
+  if (id < 0) return;
+  auto it = chunks_.find(id);
+  if (it == chunks_.end() || !it->second.in_use) return;
+  it->second.in_use = false;
+  in_use_ -= it->second.size;
+  InsertFree(id);
+}
+
+}  // namespace tfmemopt

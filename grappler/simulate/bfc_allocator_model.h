@@ -1,0 +1,57 @@
+// A model of TF's BFC allocator (tsl/framework/bfc_allocator.cc), the allocator
+// of every GPU and of the CPU test bed (TF_CPU_ALLOCATOR_USE_BFC=true).
+//
+// BFC hands out whole free chunks: it splits a chunk only when it is at least twice
+// the request (or the rest is at least 128 MiB), so a 72 MiB tensor placed in a
+// free 128 MiB chunk costs 128 MiB. What TF's peak (get_memory_info()["peak"])
+// reports, and what runs out, is this chunk-level usage, not the sum of tensor
+// sizes. The model replays allocations and frees with BFC's rules: 256-byte
+// rounding, best fit (smallest chunk, then lowest address), the split rule,
+// coalescing of free neighbours, and regions that start at 2 MiB and double
+// (allow_growth), never merged with each other.
+#ifndef TFMEMOPT_GRAPPLER_SIMULATE_BFC_ALLOCATOR_MODEL_H_
+#define TFMEMOPT_GRAPPLER_SIMULATE_BFC_ALLOCATOR_MODEL_H_
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <utility>
+
+namespace tfmemopt {
+
+class BfcAllocatorModel {
+ public:
+  explicit BfcAllocatorModel(int64_t memory_limit);
+
+  // Returns an id for the allocation, or -1 if BFC would run out of memory.
+  int64_t Allocate(int64_t bytes);
+  void Free(int64_t id);
+
+  int64_t bytes_in_use() const { return in_use_; }
+  int64_t peak_bytes_in_use() const { return peak_; }
+  int64_t pool_bytes() const { return pool_; }
+  void ResetPeak() { peak_ = in_use_; }
+
+ private:
+  struct Chunk {
+    int64_t size = 0;
+    int region = 0;
+    bool in_use = false;
+  };
+  bool Extend(int64_t rounded);
+  void InsertFree(int64_t address);
+
+  int64_t memory_limit_;
+  int64_t next_region_bytes_ = 2 << 20;
+  int64_t next_address_ = 0;
+  int next_region_ = 0;
+  int64_t in_use_ = 0;
+  int64_t peak_ = 0;
+  int64_t pool_ = 0;
+  std::map<int64_t, Chunk> chunks_;             // by address
+  std::set<std::pair<int64_t, int64_t>> free_;  // (size, address)
+};
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_SIMULATE_BFC_ALLOCATOR_MODEL_H_
