@@ -244,3 +244,38 @@ def test_log_level_zero_is_silent(capfd):
     run_mlp_steps(steps=1)
     assert "TfMemOpt: graph" not in capfd.readouterr().err
     assert reports_for(STEP)  # still reported to Python
+
+
+def test_a_thread_that_ran_functions_before_enable_picks_it_up():
+    # The worker runs a tf.function (caching its thread's options) before enable(),
+    # and traces a new one after it; disable() reaches it the same way.
+    from conftest import make_mlp_train_step, mlp_batch, mlp_variables
+
+    go = [threading.Event() for _ in range(3)]
+    done = [threading.Event() for _ in range(3)]
+    errors = []
+
+    def worker():
+        try:
+            x, y = mlp_batch()
+            for phase in range(3):
+                go[phase].wait(60)
+                make_mlp_train_step(mlp_variables())(x, y)
+                done[phase].set()
+        except Exception as err:  # surfaced below
+            errors.append(err)
+            for event in done:
+                event.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    counts = []
+    for phase, action in enumerate((lambda: None, lambda: tfmemopt.enable("1GiB"),
+                                    tfmemopt.disable)):
+        action()
+        go[phase].set()
+        done[phase].wait(60)
+        counts.append(len(reports_for(STEP)))
+    thread.join(60)
+    assert not errors
+    assert counts == [0, 1, 1]  # none before enable(), one after, none added after disable()
