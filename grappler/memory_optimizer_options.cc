@@ -180,9 +180,14 @@ const std::vector<std::string>& ModeNames() {
   return *names;
 }
 
+const std::vector<std::string>& RecomputePolicyNames() {
+  static const auto* names = new std::vector<std::string>{"AUTO", "SQRT", "MANUAL"};
+  return *names;
+}
+
 const std::vector<std::string>& FailStages() {
   static const auto* stages = new std::vector<std::string>{
-      "", "analyze", "simulate", "plan", "verify", "report"};
+      "", "analyze", "simulate", "plan", "rewrite", "verify", "report"};
   return *stages;
 }
 
@@ -212,6 +217,11 @@ const std::vector<OptionField>& Fields() {
       IntField<int64_t>("assume_batch_size", "int64", &O::assume_batch_size, 0,
                         INT64_MAX),
       ChoiceField(
+          "recompute_policy", "enum", RecomputePolicyNames(),
+          [](O* o, int i) { o->recompute_policy = static_cast<RecomputePolicy>(i); },
+          [](const O& o) { return static_cast<int>(o.recompute_policy); }),
+      StringListField("recompute_scopes", &O::recompute_scopes),
+      ChoiceField(
           "test_only_fail_stage", "string", FailStages(),
           [](O* o, int i) { o->test_only_fail_stage = FailStages()[i]; },
           [](const O& o) {
@@ -229,6 +239,10 @@ const std::vector<OptionField>& Fields() {
 
 const char* ModeName(Mode mode) {
   return ModeNames()[static_cast<int>(mode)].c_str();
+}
+
+const char* RecomputePolicyName(RecomputePolicy policy) {
+  return RecomputePolicyNames()[static_cast<int>(policy)].c_str();
 }
 
 absl::Status ParseMemoryOptimizerOptions(

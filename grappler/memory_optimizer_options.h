@@ -18,6 +18,7 @@
 namespace tfmemopt {
 
 enum class Mode { kAuto = 0, kAnalyzeOnly = 1, kManual = 2 };
+enum class RecomputePolicy { kAuto = 0, kSqrt = 1, kManual = 2 };
 
 struct MemoryOptimizerOptions {
   // Per-device budget in bytes; 0 means "budget_fraction of the device memory".
@@ -41,6 +42,9 @@ struct MemoryOptimizerOptions {
   int log_level = 1;
   // Stand-in for an unknown batch dimension; 0 leaves it unresolved.
   int64_t assume_batch_size = 0;
+  RecomputePolicy recompute_policy = RecomputePolicy::kAuto;
+  // Name scopes recomputed under RecomputePolicy::kManual.
+  std::vector<std::string> recompute_scopes;
   // Test-only: name of the stage that must fail ("" = none).
   std::string test_only_fail_stage;
 };
@@ -58,6 +62,7 @@ absl::Status ParseMemoryOptimizerOptions(
 std::string OptionSchemaJson();
 
 const char* ModeName(Mode mode);
+const char* RecomputePolicyName(RecomputePolicy policy);
 
 }  // namespace tfmemopt
 

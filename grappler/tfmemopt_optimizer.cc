@@ -11,8 +11,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grappler/analyze/control_flow.h"
 #include "grappler/analyze/tensor_table.h"
+#include "grappler/plan/recompute_planner.h"
 #include "grappler/report/memory_report.h"
+#include "grappler/rewrite/recompute_pass.h"
 #include "grappler/simulate/liveness_simulator.h"
 #include "grappler/verify/graph_verifier.h"
 #include "tensorflow/core/grappler/clusters/cluster.h"
@@ -131,6 +134,40 @@ void FillPeakTensors(const TensorTable& table, const DeviceTimeline& timeline,
   }
 }
 
+void FillDeviceFigures(const TensorTable& table, const DeviceTimeline& timeline,
+                       DeviceReport* device) {
+  device->persistent_bytes = timeline.persistent_bytes;
+  device->live_peak_bytes = timeline.peak_bytes;
+  device->peak_after_bytes = PredictedPeak(timeline);
+  device->peak_step = timeline.peak_step;
+  device->top_tensors_at_peak.clear();
+  FillPeakTensors(table, timeline, device);
+}
+
+SimulationOptions SimulationFor(const std::vector<DeviceReport>& devices) {
+  SimulationOptions simulation;
+  for (const DeviceReport& device : devices) {
+    simulation.bfc_memory_limit.push_back(device.allocator == "bfc" ? device.memory_bytes : 0);
+  }
+  return simulation;
+}
+
+RecomputePlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
+                                       const std::vector<DeviceReport>& devices) {
+  RecomputePlannerOptions planner;
+  planner.policy = options.mode == Mode::kManual ? RecomputePolicy::kManual
+                                                 : options.recompute_policy;
+  for (const DeviceReport& device : devices) planner.budget_bytes.push_back(device.budget_bytes);
+  planner.min_tensor_bytes = options.min_tensor_bytes;
+  planner.exclude_scopes = options.exclude_scopes;
+  planner.include_scopes = options.include_scopes;
+  planner.exclude_op_types = options.exclude_op_types;
+  planner.include_op_types = options.include_op_types;
+  planner.hint_scopes = options.recompute_scopes;
+  planner.simulation = SimulationFor(devices);
+  return planner;
+}
+
 absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster,
                          const GrapplerItem& item, tensorflow::GraphDef* output,
                          MemoryReport* report, StageRunner* stages) {
@@ -158,55 +195,117 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
 
   std::vector<DeviceReport> devices(table.devices.size());
   SimulationResult before;
+  std::vector<int> order;
+  ControlFlowInfo flow;
   status = stages->Run("simulate", [&] {
-    SimulationOptions simulation;
     for (size_t d = 0; d < table.devices.size(); ++d) {
       devices[d].device = table.devices[d];
       DescribeDeviceMemory(cluster, &devices[d]);
-      simulation.bfc_memory_limit.push_back(
-          devices[d].allocator == "bfc" ? devices[d].memory_bytes : 0);
     }
-    std::vector<int> order;
     absl::Status s = TopologicalOrder(item.graph, table, &order);
     if (!s.ok()) return s;
-    return Simulate(table, order, simulation, &before);
+    s = AnalyzeControlFlow(item.graph, table, order, &flow);
+    if (!s.ok()) return s;
+    return Simulate(table, order, SimulationFor(devices), &before);
   });
   if (!status.ok()) return status;
+  for (size_t d = 0; d < devices.size(); ++d) {
+    devices[d].peak_before_bytes = PredictedPeak(before.devices[d]);
+  }
+  for (const NodeInfo& node : table.nodes) report->recompute.step_seconds += node.compute_seconds;
 
-  // Plan. The budget per device is settled here; the memory-saving mechanisms
-  // (swap, recompute, scheduling) plug in at this point as they land.
+  // Plan. A graph that already holds our nodes is our own output, seen again by a
+  // later meta-optimizer iteration: it is only analyzed (idempotence).
+  RecomputePlan plan;
+  RecomputeRewrite rewrite;
+  SimulationResult planned;
+  const bool rewritten_before = HasTfMemOptNodes(item.graph);
   status = stages->Run("plan", [&] {
-    for (DeviceReport& device : devices) {
+    bool over_budget = false;
+    for (size_t d = 0; d < devices.size(); ++d) {
+      DeviceReport& device = devices[d];
       if (options.budget_bytes > 0) {
         device.budget_bytes = options.budget_bytes;
       } else if (device.memory_bytes > 0) {
         device.budget_bytes = static_cast<int64_t>(
             options.budget_fraction * static_cast<double>(device.memory_bytes));
       }
+      over_budget |= device.budget_bytes > 0 && device.peak_before_bytes > device.budget_bytes;
+    }
+    const RecomputePlannerOptions planner = PlannerOptions(options, devices);
+    const bool wanted = planner.policy != RecomputePolicy::kAuto || over_budget;
+    if (options.mode == Mode::kAnalyzeOnly || rewritten_before || !options.enable_recompute ||
+        !wanted) {
+      return absl::OkStatus();
+    }
+    report->recompute.planned = true;
+    report->recompute.policy = RecomputePolicyName(planner.policy);
+    absl::Status s = PlanRecompute(table, order, flow, planner, &plan, &rewrite, &planned);
+    if (!s.ok()) return s;
+    report->recompute.feasible = plan.feasible;
+    report->recompute.simulations = plan.simulations;
+    report->recompute.left_alone = plan.left_alone;
+    report->recompute.hinted_but_not_recomputable = plan.hinted_but_not_recomputable;
+    for (int n : plan.checkpoints) report->recompute.checkpoints.push_back(table.nodes[n].def->name());
+    for (size_t d = 0; d < devices.size() && d < plan.peak_bytes.size(); ++d) {
+      devices[d].planned_peak_bytes = plan.peak_bytes[d];
     }
     return absl::OkStatus();
   });
   if (!status.ok()) return status;
 
-  status = stages->Run("verify", [&] { return VerifyOptimizedGraph(item, *output); });
+  status = stages->Run("rewrite", [&] {
+    if (rewrite.cloned.empty()) return absl::OkStatus();
+    for (int n : rewrite.cloned) report->recompute.nodes.push_back(table.nodes[n].def->name());
+    report->recompute.num_triggers = rewrite.num_triggers;
+    report->recompute.added_seconds = rewrite.added_seconds;
+    return ApplyRecomputeRewrite(rewrite, output);
+  });
+  if (!status.ok()) return status;
+  report->graph_changed = !rewrite.cloned.empty();
+
+  // Verify: the output is a valid graph, and analyzed afresh (its own shapes, its own
+  // order) it peaks no higher than the original did.
+  // after_table points into `rewritten`, so both live to the report stage.
+  GrapplerItem rewritten;
+  TensorTable after_table;
+  SimulationResult after;
+  status = stages->Run("verify", [&] {
+    absl::Status s = VerifyOptimizedGraph(item, *output);
+    if (!s.ok() || !report->graph_changed) return s;
+    rewritten = item.WithGraph(tensorflow::GraphDef(*output));
+    s = BuildTensorTable(rewritten, options, &after_table);
+    if (!s.ok()) return s;
+    std::vector<int> after_order;
+    s = TopologicalOrder(rewritten.graph, after_table, &after_order);
+    if (!s.ok()) return s;
+    s = Simulate(after_table, after_order, SimulationFor(devices), &after);
+    if (!s.ok()) return s;
+    if (after.devices.size() != before.devices.size()) {
+      return absl::InternalError("the rewritten graph uses other devices");
+    }
+    for (size_t d = 0; d < after.devices.size(); ++d) {
+      if (PredictedPeak(after.devices[d]) > PredictedPeak(before.devices[d])) {
+        return absl::InternalError(absl::StrCat(
+            "the rewritten graph's predicted peak on ", devices[d].device, " (",
+            FormatBytes(PredictedPeak(after.devices[d])), ") exceeds the original's (",
+            FormatBytes(PredictedPeak(before.devices[d])), ")"));
+      }
+    }
+    return absl::OkStatus();
+  });
   if (!status.ok()) return status;
 
   return stages->Run("report", [&] {
+    const bool changed = report->graph_changed;
+    const TensorTable& final_table = changed ? after_table : table;
+    const SimulationResult& final_simulation = changed ? after : before;
     for (size_t d = 0; d < devices.size(); ++d) {
-      const DeviceTimeline& timeline = before.devices[d];
-      DeviceReport& device = devices[d];
-      device.persistent_bytes = timeline.persistent_bytes;
-      device.live_peak_bytes = timeline.peak_bytes;
-      device.peak_before_bytes = timeline.allocator_peak_bytes > 0
-                                     ? timeline.allocator_peak_bytes
-                                     : timeline.peak_bytes;
-      device.peak_after_bytes = device.peak_before_bytes;  // nothing is rewritten yet
-      device.peak_step = timeline.peak_step;
-      FillPeakTensors(table, timeline, &device);
+      FillDeviceFigures(final_table, final_simulation.devices[d], &devices[d]);
     }
     report->devices = std::move(devices);
-    report->timeline = before.devices;
-    report->graph_changed = false;
+    report->timeline = final_simulation.devices;
+    report->timeline_before = before.devices;
     return absl::OkStatus();
   });
 }
@@ -241,6 +340,13 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
                                          tensorflow::GraphDef* optimized_graph) {
   const auto start = std::chrono::steady_clock::now();
   *optimized_graph = item.graph;
+  // The meta-optimizer's next iteration over a graph we rewrote: our nodes are in
+  // it, the report of the rewrite stands, and nothing is added twice.
+  auto previous = published_.find(item.id);
+  if (previous != published_.end() && previous->second.rewrote &&
+      HasTfMemOptNodes(item.graph)) {
+    return absl::OkStatus();
+  }
   MemoryReport report;
   report.graph_id = item.id;
   report.options = options_;
@@ -282,6 +388,7 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
     }
   }
   published.summary = summary;
+  published.rewrote = report.graph_changed;
   published.token = PublishReport(published.token, report.ToJson());
   return InfeasibleError(options_, report);
 }

@@ -49,6 +49,7 @@ class TfMemOptOptimizer : public tensorflow::grappler::CustomGraphOptimizer {
   struct Published {
     int64_t token = 0;
     std::string summary;
+    bool rewrote = false;  // this instance rewrote the graph (its nodes are ours)
   };
   absl::flat_hash_map<std::string, Published> published_;
 };

@@ -93,9 +93,10 @@ def _run(argv, env=None, timeout=600):
     return subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
-def run_python(code, env=None, timeout=600):
-    """Runs `code` in a fresh interpreter (for settings that must precede TF start)."""
-    return _run([sys.executable, "-c", code], env, timeout)
+def run_python(code, *args, env=None, timeout=600):
+    """Runs `code` with `args` in a fresh interpreter (for settings that must precede
+    TF start)."""
+    return _run([sys.executable, "-c", code, *map(str, args)], env, timeout)
 
 
 def tfmemopt_cli(*args, env=None, timeout=600):

@@ -150,6 +150,7 @@ def _entry(**params):
         ({"budget_bytes": attr_value_pb2.AttrValue(s=b"1GiB")}, ["'budget_bytes'", "string \"1GiB\"", "an int >= 0"]),
         ({"budget_fraction": attr_value_pb2.AttrValue(f=0)}, ["'budget_fraction'", "float 0", "(0, 1]"]),
         ({"mode": attr_value_pb2.AttrValue(s=b"FAST")}, ["'mode'", "\"FAST\"", "\"AUTO\""]),
+        ({"recompute_policy": attr_value_pb2.AttrValue(s=b"ALL")}, ["'recompute_policy'", "\"ALL\"", "\"SQRT\""]),
         ({"enable_swap": attr_value_pb2.AttrValue(i=1)}, ["'enable_swap'", "int 1", "a bool"]),
         ({"budget_bytes": attr_value_pb2.AttrValue(i=1), "budget_fraction": attr_value_pb2.AttrValue(f=0.5)}, ["both set"]),
     ],
@@ -166,7 +167,8 @@ def test_cpp_accepts_every_valid_field():
         enable_schedule=False, min_tensor_bytes="4MiB", exclude_scopes=["x/"],
         include_scopes=["y/"], exclude_op_types=["Conv2D"], include_op_types=["Relu"],
         host_bandwidth_bytes_per_sec=8e9, fail_on_infeasible=True, log_level=2,
-        assume_batch_size=32, test_only_fail_stage="plan",
+        assume_batch_size=32, test_only_fail_stage="plan", recompute_policy="SQRT",
+        recompute_scopes=["block_3"],
     ))
     assert set(entry.parameter_map) == set(tmconfig.schema()) - {"budget_bytes"}
     assert tfmemopt._ext.check_custom_optimizer(entry.SerializeToString()) == ""

@@ -6,6 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grappler/analyze/op_costs.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/grappler/costs/graph_properties.h"
@@ -22,10 +23,11 @@ using tensorflow::OpInfo;
 using tensorflow::grappler::GraphProperties;
 using tensorflow::grappler::GrapplerItem;
 
-// The input port whose buffer output `port` hands out (TF forwards it, nothing
-// is allocated), or -1. ReadVariableOp hands out the variable's own buffer
-// (copy-on-write); loop plumbing (Enter/Merge/Switch/NextIteration/Exit) and the
-// TensorList update ops pass their buffer through.
+}  // namespace
+
+// ReadVariableOp hands out the variable's own buffer (copy-on-write); loop
+// plumbing (Enter/Merge/Switch/NextIteration/Exit) and the TensorList update ops
+// pass their buffer through.
 int ForwardedInput(const NodeDef& node, int port) {
   static const auto* same_port = new std::set<std::string>{
       "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
@@ -41,6 +43,8 @@ int ForwardedInput(const NodeDef& node, int port) {
   if (first_output->count(node.op())) return port == 0 ? 0 : -1;
   return -1;
 }
+
+namespace {
 
 bool ForwardsInputBuffer(const NodeDef& node) {
   return ForwardedInput(node, 0) >= 0;
@@ -354,6 +358,7 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
 
   SizeTensorLists(table);
   EstimateTempBytes(table);
+  EstimateComputeSeconds(properties, table);
 
   // Backward = in a gradient scope or downstream of one, along data edges. Nodes
   // that only hand out metadata or persistent memory neither start nor pass it on:

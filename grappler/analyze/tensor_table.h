@@ -51,6 +51,8 @@ struct NodeInfo {
   bool backward = false;  // in or downstream of the gradient computation
   // Scratch memory the kernel allocates and frees while it runs (not an output).
   int64_t temp_bytes = 0;
+  // Predicted run time (OpLevelCostEstimator), for the planner's cost model.
+  double compute_seconds = 0;
   std::vector<int> inputs;   // tensor indices of data inputs
   std::vector<int> outputs;  // tensor indices
 };
@@ -75,6 +77,10 @@ struct TensorTable {
 
   std::string TensorName(int tensor) const;
 };
+
+// The input port whose buffer output `port` of `node` hands out instead of
+// allocating one (Identity, Reshape, ReadVariableOp, loop plumbing...), or -1.
+int ForwardedInput(const tensorflow::NodeDef& node, int port);
 
 // Short device name ("/job:localhost/replica:0/task:0/device:CPU:0" -> "CPU:0").
 std::string ShortDeviceName(const std::string& device);

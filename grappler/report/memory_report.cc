@@ -36,6 +36,29 @@ std::string JsonList(const std::vector<T>& values) {
   return absl::StrCat("[", absl::StrJoin(values, ","), "]");
 }
 
+std::string QuotedList(const std::vector<std::string>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) out += ",";
+    out += Quote(values[i]);
+  }
+  return out + "]";
+}
+
+std::string TimelineJson(const std::vector<DeviceTimeline>& timeline) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < timeline.size(); ++i) {
+    const DeviceTimeline& t = timeline[i];
+    out << (i ? "," : "") << "{\"device\":" << Quote(t.device)
+        << ",\"persistent_bytes\":" << t.persistent_bytes
+        << ",\"activation_bytes\":" << JsonList(t.activation_bytes)
+        << ",\"gradient_bytes\":" << JsonList(t.gradient_bytes) << "}";
+  }
+  out << "]";
+  return out.str();
+}
+
 struct Registry {
   std::mutex mu;
   int64_t next_token = 1;
@@ -83,7 +106,8 @@ std::string MemoryReport::ToJson() const {
         << ",\"peak_after_bytes\":" << d.peak_after_bytes
         << ",\"live_peak_bytes\":" << d.live_peak_bytes
         << ",\"allocator\":" << Quote(d.allocator)
-        << ",\"peak_step\":" << d.peak_step << ",\"top_tensors_at_peak\":[";
+        << ",\"peak_step\":" << d.peak_step
+        << ",\"planned_peak_bytes\":" << d.planned_peak_bytes << ",\"top_tensors_at_peak\":[";
     for (size_t j = 0; j < d.top_tensors_at_peak.size(); ++j) {
       const PeakTensor& t = d.top_tensors_at_peak[j];
       out << (j ? "," : "") << "{\"name\":" << Quote(t.name) << ",\"op\":" << Quote(t.op)
@@ -91,15 +115,22 @@ std::string MemoryReport::ToJson() const {
     }
     out << "]}";
   }
-  out << "],\"timeline\":[";
-  for (size_t i = 0; i < timeline.size(); ++i) {
-    const DeviceTimeline& t = timeline[i];
-    out << (i ? "," : "") << "{\"device\":" << Quote(t.device)
-        << ",\"persistent_bytes\":" << t.persistent_bytes
-        << ",\"activation_bytes\":" << JsonList(t.activation_bytes)
-        << ",\"gradient_bytes\":" << JsonList(t.gradient_bytes) << "}";
+  out << "],\"recompute\":{\"planned\":" << (recompute.planned ? "true" : "false")
+      << ",\"policy\":" << Quote(recompute.policy) << ",\"nodes\":" << QuotedList(recompute.nodes)
+      << ",\"num_triggers\":" << recompute.num_triggers
+      << ",\"added_seconds\":" << absl::StrFormat("%.9g", recompute.added_seconds)
+      << ",\"step_seconds\":" << absl::StrFormat("%.9g", recompute.step_seconds)
+      << ",\"feasible\":" << (recompute.feasible ? "true" : "false")
+      << ",\"simulations\":" << recompute.simulations
+      << ",\"checkpoints\":" << QuotedList(recompute.checkpoints) << ",\"left_alone\":{";
+  bool first_reason = true;
+  for (const auto& [reason, count] : recompute.left_alone) {
+    out << (first_reason ? "" : ",") << Quote(reason) << ":" << count;
+    first_reason = false;
   }
-  out << "],\"stage_seconds\":{";
+  out << "},\"hinted_but_not_recomputable\":" << QuotedList(recompute.hinted_but_not_recomputable)
+      << "},\"timeline\":" << TimelineJson(timeline)
+      << ",\"timeline_before\":" << TimelineJson(timeline_before) << ",\"stage_seconds\":{";
   bool first = true;
   for (const auto& [stage, seconds] : stage_seconds) {
     out << (first ? "" : ",") << Quote(stage) << ":" << absl::StrFormat("%.6f", seconds);
@@ -127,7 +158,24 @@ std::string MemoryReport::Summary() const {
                                : " (no budget known)");
     peaks.push_back(peak);
   }
+  if (!recompute.nodes.empty()) {
+    absl::StrAppend(&line, ", recomputed ", recompute.nodes.size(), " ops");
+    if (recompute.step_seconds > 0) {
+      absl::StrAppend(&line, absl::StrFormat(" (+%.1f%% compute)",
+                                             100.0 * recompute.added_seconds /
+                                                 recompute.step_seconds));
+    }
+  }
   absl::StrAppend(&line, ", predicted peak ", absl::StrJoin(peaks, ", "));
+  if (recompute.planned && !recompute.feasible) {
+    for (const DeviceReport& d : devices) {
+      if (d.budget_bytes > 0 && d.peak_after_bytes > d.budget_bytes) {
+        absl::StrAppend(&line, "; budget not met on ", d.device,
+                        ": the smallest peak recomputation reaches is ",
+                        FormatBytes(d.peak_after_bytes));
+      }
+    }
+  }
   if (unresolved_tensors > 0) {
     absl::StrAppend(&line, "; ", unresolved_tensors,
                     " tensors have unknown dimensions (counted as 1; set "

@@ -35,6 +35,24 @@ struct DeviceReport {
   std::string allocator = "none";  // "bfc" when the allocator model applies
   int peak_step = -1;
   std::vector<PeakTensor> top_tensors_at_peak;  // 10 largest
+  // Peak the planner's own simulation predicts for its plan (allocator peak where
+  // modelled); when the budget cannot be met, the smallest peak it found.
+  int64_t planned_peak_bytes = 0;
+};
+
+// What recomputation did to a graph.
+struct RecomputeReport {
+  bool planned = false;  // the planner ran
+  std::string policy;
+  std::vector<std::string> nodes;  // recomputed ops (original names), in order
+  int num_triggers = 0;
+  double added_seconds = 0;     // predicted compute of the clones
+  double step_seconds = 0;      // predicted compute of the whole step, before
+  bool feasible = true;
+  int simulations = 0;
+  std::vector<std::string> checkpoints;  // SQRT
+  std::map<std::string, int> left_alone;  // forward ops never recomputed, by reason
+  std::vector<std::string> hinted_but_not_recomputable;
 };
 
 struct MemoryReport {
@@ -50,8 +68,11 @@ struct MemoryReport {
   int64_t batch_dims_resolved = 0;
   bool graph_changed = false;
   std::vector<DeviceReport> devices;
-  // Timeline of the final order: per device, transient bytes per step by role.
+  RecomputeReport recompute;
+  // Timelines of the final graph and of the original one: per device, transient
+  // bytes per step by role.
   std::vector<DeviceTimeline> timeline;
+  std::vector<DeviceTimeline> timeline_before;
   std::map<std::string, double> stage_seconds;
   double total_seconds = 0;
 

@@ -28,6 +28,7 @@ from tfmemopt.config import (  # noqa: E402
 )
 from tfmemopt.report import Report  # noqa: E402
 from tfmemopt.analysis import analyze, analyze_metagraph  # noqa: E402
+from tfmemopt.hints import recompute_scope  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -91,5 +92,6 @@ __all__ = [
     "make_config",
     "parse_size",
     "reports",
+    "recompute_scope",
     "rewriter_config",
 ]

@@ -66,7 +66,8 @@ class Report:
     budget_bytes ({device: bytes}, 0 = unknown), persistent_bytes ({device: bytes}),
     predicted_peak_bytes ({'before': {device: bytes}, 'after': {...}}),
     top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None),
-    stage_seconds, total_seconds.
+    recompute (what recomputation did: policy, nodes, added_seconds, step_seconds,
+    feasible, checkpoints, left_alone, ...), stage_seconds, total_seconds.
     """
 
     def __init__(self, data):
@@ -98,8 +99,20 @@ class Report:
             for t in d["top_tensors_at_peak"]
         ]
         self.top_tensors_at_peak = sorted(peak, key=lambda t: (-t.bytes, t.name))[:10]
+        self.recompute = data.get("recompute", {})
         self.stage_seconds = data["stage_seconds"]
         self.total_seconds = data["total_seconds"]
+
+    @property
+    def recomputed_ops(self):
+        """Names of the ops that are recomputed in the backward pass."""
+        return list(self.recompute.get("nodes", []))
+
+    @property
+    def estimated_recompute_overhead(self):
+        """Predicted compute the recomputation adds, as a fraction of the step's."""
+        step = self.recompute.get("step_seconds", 0)
+        return self.recompute.get("added_seconds", 0) / step if step else 0.0
 
     @property
     def fits(self):
@@ -137,12 +150,36 @@ class Report:
                 f"  {self.unresolved_tensors} tensors have unknown dimensions, counted as 1"
                 f" (e.g. {examples}); set assume_batch_size to resolve the batch dimension"
             )
+        lines.extend(self._recompute_lines())
         if self.top_tensors_at_peak:
             lines.append("  largest tensors live at the peak:")
             for t in self.top_tensors_at_peak:
                 lines.append(f"    {format_bytes(t.bytes):>10}  {t.name} ({t.op}, {t.role}, {t.device})")
         lines.append(f"  pass time {self.total_seconds * 1000:.1f} ms")
         return "\n".join(lines)
+
+    def _recompute_lines(self):
+        rc = self.recompute
+        if not rc.get("planned"):
+            return []
+        lines = [f"  recompute ({rc['policy']}): {len(rc['nodes'])} ops recomputed, "
+                 f"+{100 * self.estimated_recompute_overhead:.1f}% predicted compute, "
+                 f"{rc['num_triggers']} triggers, {rc['simulations']} plans simulated"]
+        if rc["nodes"]:
+            shown = ", ".join(rc["nodes"][:5]) + (", ..." if len(rc["nodes"]) > 5 else "")
+            lines.append(f"    recomputed: {shown}")
+        if rc.get("checkpoints"):
+            lines.append(f"    checkpoints kept: {len(rc['checkpoints'])}")
+        if not rc.get("feasible", True):
+            lines.append("    the budget cannot be met by recomputation; the plan applied "
+                         "reaches the smallest peak found")
+        if rc.get("left_alone"):
+            why = ", ".join(f"{n} {reason}" for reason, n in sorted(rc["left_alone"].items()))
+            lines.append(f"    forward ops never recomputed: {why}")
+        if rc.get("hinted_but_not_recomputable"):
+            lines.append("    hinted but not recomputable: "
+                         + ", ".join(rc["hinted_but_not_recomputable"][:5]))
+        return lines
 
     def figure(self, title=None):
         """The memory timeline as a matplotlib Figure: live bytes at each step of the
@@ -203,6 +240,15 @@ class Report:
                                edgecolor=_HOST_SERIES[1], hatch="///"))
         tops = np.cumsum(layers, axis=0)
         data_top = max(float(tops[-1].max()), float(peak), 1.0)  # BFC peak may be higher
+        # The original graph's timeline, as an outline, when the pass changed it.
+        before = {t["device"]: t for t in self._data.get("timeline_before", [])}.get(
+            device["device"])
+        before_total = None
+        if self.graph_changed and before and before["activation_bytes"]:
+            before_total = (before["persistent_bytes"]
+                            + np.asarray(before["activation_bytes"], dtype=float)
+                            + np.asarray(before["gradient_bytes"], dtype=float))
+            data_top = max(data_top, float(before_total.max()))
         # A budget far above the data would flatten the chart: past 2.5x the peak it
         # is named in the legend instead of drawn.
         budget_drawn = 0 < budget <= 2.5 * data_top
@@ -214,6 +260,9 @@ class Report:
         for top, style in zip(tops, styles):
             ax.fill_between(x, bottom / size, top / size, step="mid", linewidth=0, **style)
             bottom = top
+        if before_total is not None:
+            ax.plot(np.arange(len(before_total)), before_total / size, color="0.25",
+                    linewidth=0.9, drawstyle="steps-mid", label="before tfmemopt")
         if budget_drawn:
             ax.axhline(budget / size, color="crimson", linestyle="--", linewidth=1.2,
                        label=f"budget {format_bytes(budget)}")

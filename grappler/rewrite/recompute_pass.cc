@@ -1,0 +1,249 @@
+#include "grappler/rewrite/recompute_pass.h"
+
+#include <algorithm>
+#include <climits>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/grappler/utils.h"
+
+namespace tfmemopt {
+namespace {
+
+std::string TensorRef(const std::string& node, int port) {
+  return port == 0 ? node : absl::StrCat(node, ":", port);
+}
+
+std::string CloneName(const std::string& original) {
+  return absl::StrCat(kRecomputeScope, original);
+}
+
+}  // namespace
+
+bool ReadsRecomputedValues(const TensorTable& table, const ControlFlowInfo& flow,
+                           int consumer) {
+  const NodeInfo& node = table.nodes[consumer];
+  if (!node.backward || flow.Under(consumer)) return false;
+  return LatestBackwardInput(table, flow, consumer) >= 0;
+}
+
+int LatestBackwardInput(const TensorTable& table, const ControlFlowInfo& flow, int consumer,
+                        const std::vector<int>* position) {
+  int latest = -1;
+  auto consider = [&](int producer) {
+    if (!table.nodes[producer].backward || flow.Under(producer)) return;
+    if (latest < 0 || (position != nullptr && (*position)[producer] > (*position)[latest])) {
+      latest = producer;
+    }
+  };
+  const NodeInfo& node = table.nodes[consumer];
+  for (int t : node.inputs) {
+    if (table.tensors[t].role != TensorRole::kPersistent) consider(table.tensors[t].node);
+  }
+  // Gradient code orders some forward-looking ops (e.g. SquaredDifference's x - y)
+  // after the incoming gradient with a control edge: that makes them late too.
+  for (const std::string& input : node.def->input()) {
+    if (!tensorflow::grappler::IsControlInput(input)) continue;
+    auto it = table.node_index.find(tensorflow::grappler::NodeName(input));
+    if (it != table.node_index.end()) consider(it->second);
+  }
+  return latest;
+}
+
+absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
+                                   const ControlFlowInfo& flow,
+                                   const std::vector<int>& nodes, RecomputeRewrite* rewrite) {
+  const int n = static_cast<int>(base.nodes.size());
+  if (static_cast<int>(order.size()) != n) {
+    return absl::InvalidArgumentError("recompute: the order does not cover the graph");
+  }
+  std::vector<int> position(n, -1);
+  for (int s = 0; s < n; ++s) position[order[s]] = s;
+  std::vector<char> chosen(n, 0);
+  for (int r : nodes) {
+    if (r < 0 || r >= n) return absl::InvalidArgumentError("recompute: bad node index");
+    if (base.nodes[r].stateful || base.nodes[r].backward || flow.Under(r)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "recompute: ", base.nodes[r].def->name(),
+          " is stateful, backward or under control flow and cannot be recomputed"));
+    }
+    chosen[r] = 1;
+  }
+  std::vector<int> chosen_in_order;
+  for (int node : order) {
+    if (chosen[node]) chosen_in_order.push_back(node);
+  }
+
+  // The earliest backward consumer each clone serves, directly or through the
+  // clones that read it: the clone must exist by then.
+  std::vector<int> earliest(n, INT_MAX);
+  std::vector<int> earliest_node(n, -1);
+  for (auto it = chosen_in_order.rbegin(); it != chosen_in_order.rend(); ++it) {
+    const int r = *it;
+    for (int t : base.nodes[r].outputs) {
+      for (int c : base.tensors[t].consumers) {
+        int at = INT_MAX, via = -1;
+        if (chosen[c]) {
+          at = earliest[c];
+          via = earliest_node[c];
+        } else if (ReadsRecomputedValues(base, flow, c)) {
+          at = position[c];
+          via = c;
+        }
+        if (at < earliest[r] || (at == earliest[r] && via >= 0 && via < earliest_node[r])) {
+          earliest[r] = at;
+          earliest_node[r] = via;
+        }
+      }
+    }
+  }
+
+  rewrite->table = base;
+  rewrite->clone_defs.clear();
+  rewrite->rewires.clear();
+  rewrite->cloned.clear();
+  rewrite->num_triggers = 0;
+  rewrite->added_seconds = 0;
+  TensorTable& table = rewrite->table;
+  std::vector<int> clone_node(n, -1);
+  std::vector<int> trigger(n, -1);
+  std::vector<int> key(n, -1);  // the clone runs right after the node at this position
+
+  for (int r : chosen_in_order) {
+    if (earliest_node[r] < 0) continue;  // nobody would read the clone
+    const NodeInfo& original = base.nodes[r];
+    // The trigger: the latest gradient-side input of the earliest consumer.
+    const int trigger_node = LatestBackwardInput(base, flow, earliest_node[r], &position);
+    if (trigger_node < 0) {
+      return absl::InternalError(absl::StrCat("recompute: no trigger for ", original.def->name()));
+    }
+    trigger[r] = trigger_node;
+    key[r] = position[trigger_node];
+
+    tensorflow::NodeDef clone = *original.def;
+    clone.set_name(CloneName(original.def->name()));
+    bool triggered_by_input = false;
+    for (int i = 0; i < clone.input_size(); ++i) {
+      if (tensorflow::grappler::IsControlInput(clone.input(i))) continue;
+      const tensorflow::TensorId id = tensorflow::ParseTensorName(clone.input(i));
+      auto found = base.node_index.find(std::string(id.node()));
+      if (found == base.node_index.end()) {
+        return absl::InternalError(absl::StrCat("recompute: missing input ", clone.input(i)));
+      }
+      const int producer = found->second;
+      if (clone_node[producer] < 0) continue;
+      clone.set_input(i, TensorRef(CloneName(base.nodes[producer].def->name()), id.index()));
+      key[r] = std::max(key[r], key[producer]);
+      if (trigger[producer] == trigger_node) triggered_by_input = true;
+    }
+    if (!triggered_by_input) {
+      clone.add_input(absl::StrCat("^", base.nodes[trigger_node].def->name()));
+      ++rewrite->num_triggers;
+    }
+    rewrite->clone_defs.push_back(std::move(clone));
+
+    const int index = static_cast<int>(table.nodes.size());
+    clone_node[r] = index;
+    NodeInfo info = original;
+    info.def = &rewrite->clone_defs.back();
+    info.backward = true;
+    info.inputs.clear();
+    info.outputs.clear();
+    for (int t : original.inputs) {
+      const int producer = base.tensors[t].node;
+      const int source = clone_node[producer] >= 0
+                             ? table.nodes[clone_node[producer]].outputs[base.tensors[t].port]
+                             : t;
+      info.inputs.push_back(source);
+      table.tensors[source].consumers.push_back(index);
+    }
+    table.node_index[info.def->name()] = index;
+    table.nodes.push_back(std::move(info));
+    for (int t : original.outputs) {
+      TensorInfo tensor = base.tensors[t];
+      tensor.node = index;
+      tensor.consumers.clear();
+      tensor.role = TensorRole::kActivation;
+      const int new_tensor = static_cast<int>(table.tensors.size());
+      const int forwarded = ForwardedInput(*original.def, tensor.port);
+      const std::vector<int>& clone_inputs = table.nodes[index].inputs;
+      if (forwarded >= 0 && forwarded < static_cast<int>(clone_inputs.size())) {
+        tensor.buffer = table.tensors[clone_inputs[forwarded]].buffer;
+      } else {
+        BufferInfo buffer;
+        buffer.owner = new_tensor;
+        buffer.bytes = tensor.bytes;
+        buffer.device = original.device;
+        tensor.buffer = static_cast<int>(table.buffers.size());
+        table.buffers.push_back(buffer);
+      }
+      table.tensors.push_back(std::move(tensor));
+      table.nodes[index].outputs.push_back(new_tensor);
+    }
+    rewrite->cloned.push_back(r);
+    rewrite->added_seconds += original.compute_seconds;
+
+    // Backward consumers read the clone from now on.
+    absl::flat_hash_set<int> seen;
+    for (int t : original.outputs) {
+      const int port = base.tensors[t].port;
+      const int new_tensor = table.nodes[index].outputs[port];
+      seen.clear();
+      for (int c : base.tensors[t].consumers) {
+        if (chosen[c] || !seen.insert(c).second || !ReadsRecomputedValues(base, flow, c)) continue;
+        for (size_t slot = 0; slot < base.nodes[c].inputs.size(); ++slot) {
+          if (base.nodes[c].inputs[slot] != t) continue;
+          table.nodes[c].inputs[slot] = new_tensor;
+          std::vector<int>& old_consumers = table.tensors[t].consumers;
+          old_consumers.erase(std::find(old_consumers.begin(), old_consumers.end(), c));
+          table.tensors[new_tensor].consumers.push_back(c);
+          rewrite->rewires.push_back(
+              {c, static_cast<int>(slot), TensorRef(table.nodes[index].def->name(), port)});
+        }
+      }
+    }
+  }
+
+  // The order: each clone right after its trigger (and its clone inputs), which
+  // is where the executor can first run it.
+  std::vector<std::vector<int>> after(n);
+  for (int r : chosen_in_order) {
+    if (clone_node[r] >= 0) after[order[key[r]]].push_back(clone_node[r]);
+  }
+  rewrite->order.clear();
+  rewrite->order.reserve(table.nodes.size());
+  for (int node : order) {
+    rewrite->order.push_back(node);
+    for (int clone : after[node]) rewrite->order.push_back(clone);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyRecomputeRewrite(const RecomputeRewrite& rewrite,
+                                   tensorflow::GraphDef* graph) {
+  for (const RecomputeRewrite::Rewire& rewire : rewrite.rewires) {
+    if (rewire.node < 0 || rewire.node >= graph->node_size()) {
+      return absl::InternalError("recompute: rewired node out of range");
+    }
+    tensorflow::NodeDef* node = graph->mutable_node(rewire.node);
+    if (node->name() != rewrite.table.nodes[rewire.node].def->name() ||
+        rewire.slot >= node->input_size() ||
+        tensorflow::grappler::IsControlInput(node->input(rewire.slot))) {
+      return absl::InternalError(
+          absl::StrCat("recompute: graph and table disagree at ", node->name()));
+    }
+    node->set_input(rewire.slot, rewire.input);
+  }
+  for (const tensorflow::NodeDef& clone : rewrite.clone_defs) *graph->add_node() = clone;
+  return absl::OkStatus();
+}
+
+bool HasTfMemOptNodes(const tensorflow::GraphDef& graph) {
+  for (const tensorflow::NodeDef& node : graph.node()) {
+    if (absl::StartsWith(node.name(), kTfMemOptScope)) return true;
+  }
+  return false;
+}
+
+}  // namespace tfmemopt

@@ -1,0 +1,86 @@
+// Rewrite: recomputation. Forward nodes chosen by the planner get a clone, named
+// TfMemOpt/Recompute/<original name>, that backward consumers read instead of the
+// original output, so the original buffer is freed after its last forward use.
+//
+// A clone reads the clones of its recomputed inputs and the original tensors of
+// everything else (the checkpoints). A control edge from a gradient-side input of
+// the clone's earliest backward consumer (the trigger) keeps the executor from
+// running the clone during the forward pass, which would save nothing.
+//
+// The same RecomputeRewrite drives the planner's simulation (its table and order)
+// and the GraphDef edit, so what is simulated is what is run.
+#ifndef TFMEMOPT_GRAPPLER_REWRITE_RECOMPUTE_PASS_H_
+#define TFMEMOPT_GRAPPLER_REWRITE_RECOMPUTE_PASS_H_
+
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "grappler/analyze/control_flow.h"
+#include "grappler/analyze/tensor_table.h"
+#include "tensorflow/core/framework/graph.pb.h"
+
+namespace tfmemopt {
+
+inline constexpr char kTfMemOptScope[] = "TfMemOpt/";
+inline constexpr char kRecomputeScope[] = "TfMemOpt/Recompute/";
+
+struct RecomputeRewrite {
+  RecomputeRewrite() = default;
+  // Moves keep the clones' addresses (table.nodes point into clone_defs); copies
+  // would not.
+  RecomputeRewrite(RecomputeRewrite&&) = default;
+  RecomputeRewrite& operator=(RecomputeRewrite&&) = default;
+  RecomputeRewrite(const RecomputeRewrite&) = delete;
+  RecomputeRewrite& operator=(const RecomputeRewrite&) = delete;
+
+  // The base table with one node per clone appended (base indices unchanged),
+  // consumers rewired to the clones.
+  TensorTable table;
+  // The base order with each clone just before its earliest backward consumer.
+  std::vector<int> order;
+  // NodeDefs of the clones; table.nodes of clones point into it (stable addresses).
+  std::deque<tensorflow::NodeDef> clone_defs;
+  struct Rewire {
+    int node;   // consumer, base node index
+    int slot;   // data input index
+    std::string input;  // the clone's tensor name
+  };
+  std::vector<Rewire> rewires;
+  std::vector<int> cloned;  // base node indices that got a clone, in base order
+  int num_triggers = 0;
+  double added_seconds = 0;  // predicted compute time of all clones
+};
+
+// A consumer reads recomputed values only if it is a backward node that also
+// depends directly on a backward node (a gradient input, or a control edge from
+// one): then it cannot run before the forward pass is over, and neither can a
+// clone triggered by that node. Other consumers keep the original (it is needed
+// early anyway).
+bool ReadsRecomputedValues(const TensorTable& table, const ControlFlowInfo& flow,
+                           int consumer);
+
+// The backward node among `consumer`'s direct data and control inputs that runs
+// last (by `position`, or the first found without one), or -1.
+int LatestBackwardInput(const TensorTable& table, const ControlFlowInfo& flow, int consumer,
+                        const std::vector<int>* position = nullptr);
+
+// Builds the rewrite for recomputing `nodes` (base node indices; forward, stateless,
+// outside control flow: the planner's job). Nodes whose clone nobody would read
+// are skipped.
+absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
+                                   const ControlFlowInfo& flow,
+                                   const std::vector<int>& nodes, RecomputeRewrite* rewrite);
+
+// Applies `rewrite` to `graph`, the GraphDef the base table was built from.
+absl::Status ApplyRecomputeRewrite(const RecomputeRewrite& rewrite,
+                                   tensorflow::GraphDef* graph);
+
+// True if `graph` already holds nodes that tfmemopt added (a later meta-optimizer
+// iteration over our own output).
+bool HasTfMemOptNodes(const tensorflow::GraphDef& graph);
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_REWRITE_RECOMPUTE_PASS_H_
