@@ -7,6 +7,8 @@
 #include <pybind11/stl.h>
 
 #include "grappler/memory_optimizer_options.h"
+#include "grappler/ops/host_memory_pool.h"
+#include "grappler/ops/swap_ops.h"
 #include "grappler/report/memory_report.h"
 #include "grappler/tfmemopt_optimizer.h"
 #include "tensorflow/core/protobuf/rewriter_config.pb.h"
@@ -18,6 +20,13 @@ PYBIND11_MODULE(_ext, m) {
   m.attr("PASS_NAME") = tfmemopt::kTfMemOptName;
   // The TF version whose headers this was compiled against (set by CMake).
   m.attr("BUILT_AGAINST_TF_VERSION") = TFMEMOPT_BUILT_AGAINST_TF;
+
+  // Before the pass: graphs it rewrites may hold the swap ops.
+  if (absl::Status status = tfmemopt::RegisterSwapOpsOnce(); !status.ok()) {
+    throw py::import_error(std::string("tfmemopt: cannot register the swap ops: ") +
+                           std::string(status.message()) +
+                           ". Load only one copy of tfmemopt per process.");
+  }
 
   if (!tfmemopt::RegisterTfMemOptOnce()) {
     throw py::import_error(
@@ -44,4 +53,19 @@ PYBIND11_MODULE(_ext, m) {
       },
       "Parses a serialized custom optimizer entry as the pass's Init() does; returns "
       "'' or the error message.");
+  m.def(
+      "host_pool_stats",
+      [] {
+        const tfmemopt::HostPoolStats stats = tfmemopt::HostMemoryPool::Global()->Stats();
+        py::dict d;
+        d["bytes_in_use"] = stats.bytes_in_use;
+        d["peak_bytes"] = stats.peak_bytes;
+        d["swap_outs"] = stats.swap_outs;
+        d["swap_ins"] = stats.swap_ins;
+        return d;
+      },
+      "Host memory pool of the swap ops: bytes_in_use, peak_bytes, swap_outs, swap_ins.");
+  m.def(
+      "reset_host_pool_peak", [] { tfmemopt::HostMemoryPool::Global()->ResetPeak(); },
+      "Restarts the host pool's peak_bytes from its bytes_in_use.");
 }
