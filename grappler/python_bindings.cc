@@ -62,9 +62,11 @@ PYBIND11_MODULE(_ext, m) {
         d["peak_bytes"] = stats.peak_bytes;
         d["swap_outs"] = stats.swap_outs;
         d["swap_ins"] = stats.swap_ins;
+        d["cached_bytes"] = stats.cached_bytes;
         return d;
       },
-      "Host memory pool of the swap ops: bytes_in_use, peak_bytes, swap_outs, swap_ins.");
+      "Host memory pool of the swap ops: bytes_in_use, peak_bytes, swap_outs, swap_ins, "
+      "cached_bytes (freed blocks kept for reuse).");
   m.def(
       "reset_host_pool_peak", [] { tfmemopt::HostMemoryPool::Global()->ResetPeak(); },
       "Restarts the host pool's peak_bytes from its bytes_in_use.");

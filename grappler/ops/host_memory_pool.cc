@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <vector>
 
 #include "tensorflow/core/framework/allocation_description.pb.h"
 
@@ -16,10 +17,7 @@ class HostPoolBuffer : public tensorflow::TensorBuffer {
   HostPoolBuffer(void* data, size_t bytes, HostMemoryPool* pool)
       : TensorBuffer(data), bytes_(bytes), pool_(pool) {}
 
-  ~HostPoolBuffer() override {
-    std::free(data());
-    pool_->Release(bytes_);
-  }
+  ~HostPoolBuffer() override { pool_->Release(data(), bytes_); }
 
   size_t size() const override { return bytes_; }
   TensorBuffer* root_buffer() override { return this; }
@@ -54,12 +52,25 @@ HostMemoryPool* HostMemoryPool::Global() {
 }
 
 tensorflow::TensorBuffer* HostMemoryPool::AllocateForSwapOut(size_t bytes) {
-  void* data = std::aligned_alloc(kAlignment, HostPoolBuffer::AllocationSize(bytes));
+  const size_t allocation = HostPoolBuffer::AllocationSize(bytes);
+  void* data = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = cached_by_size_.find(allocation); it != cached_by_size_.end()) {
+      data = it->second->second;
+      cached_.erase(it->second);
+      cached_by_size_.erase(it);
+      stats_.cached_bytes -= static_cast<int64_t>(allocation);
+    }
+  }
+  if (data == nullptr) data = std::aligned_alloc(kAlignment, allocation);
   if (data == nullptr) return nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.bytes_in_use += static_cast<int64_t>(bytes);
     stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.bytes_in_use);
+    allocated_in_use_ += static_cast<int64_t>(allocation);
+    highest_allocated_in_use_ = std::max(highest_allocated_in_use_, allocated_in_use_);
     ++stats_.swap_outs;
   }
   return new HostPoolBuffer(data, bytes, this);
@@ -70,9 +81,30 @@ void HostMemoryPool::RecordSwapIn() {
   ++stats_.swap_ins;
 }
 
-void HostMemoryPool::Release(size_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.bytes_in_use -= static_cast<int64_t>(bytes);
+void HostMemoryPool::Release(void* data, size_t bytes) {
+  const size_t allocation = HostPoolBuffer::AllocationSize(bytes);
+  std::vector<void*> to_free;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_in_use -= static_cast<int64_t>(bytes);
+    allocated_in_use_ -= static_cast<int64_t>(allocation);
+    cached_by_size_.emplace(allocation, cached_.emplace(cached_.end(), allocation, data));
+    stats_.cached_bytes += static_cast<int64_t>(allocation);
+    while (stats_.cached_bytes > highest_allocated_in_use_) {
+      const auto [oldest_size, oldest_data] = cached_.front();
+      auto range = cached_by_size_.equal_range(oldest_size);
+      for (auto it = range.first; it != range.second; ++it) {
+        if (it->second == cached_.begin()) {
+          cached_by_size_.erase(it);
+          break;
+        }
+      }
+      cached_.pop_front();
+      stats_.cached_bytes -= static_cast<int64_t>(oldest_size);
+      to_free.push_back(oldest_data);
+    }
+  }
+  for (void* block : to_free) std::free(block);
 }
 
 HostPoolStats HostMemoryPool::Stats() const {

@@ -79,7 +79,8 @@ def clear_reports():
 
 def host_memory_stats(reset_peak=False):
     """The host memory pool that swapped-out tensors live in (outside TensorFlow's
-    allocators), as a dict: bytes_in_use, peak_bytes, swap_outs, swap_ins.
+    allocators), as a dict: bytes_in_use, peak_bytes, swap_outs, swap_ins, and
+    cached_bytes (freed blocks the pool keeps for the next swap-outs of their size).
 
     reset_peak=True restarts peak_bytes from bytes_in_use after reading.
     """
