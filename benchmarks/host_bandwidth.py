@@ -4,15 +4,16 @@ For each size, a v1 graph x -> TfMemSwapOut -> TfMemSwapIn runs repeatedly, and 
 op's kernel time is read from the step stats (RunMetadata), so Python and session
 overheads do not count. The first run of a size is reported apart ("cold"): its
 buffers are new pages. The steady state ("warm", median of the other runs) is what a
-training loop sees from its second step on. Each intra-op thread count runs in its own
-subprocess (TF sizes its thread pool once per process), under the CPU test bed's
-capped BFC allocator.
+training loop sees from its second step on (the host pool reuses its blocks, the
+BFC allocator its chunks). The measurement runs in a subprocess under the CPU test
+bed's capped BFC allocator (TF_CPU_ALLOCATOR_USE_BFC=true, TF_CPU_BFC_MEM_LIMIT_IN_MB,
+unless already set); --repeats runs it several times, as the machine may be shared.
 
 Usage: python benchmarks/host_bandwidth.py [--sizes-mib 1 16 128] [--runs 9]
-                                           [--threads 1 2] [--json]
+                                           [--repeats 3] [--json]
 The figure to use is the lower of the warm swap-out and swap-in throughputs at the
-largest size, with the default thread count (the last of --threads); --json prints
-everything as one JSON object on the last line.
+largest size (median over repeats); --json prints everything as one JSON object on
+the last line.
 """
 
 import argparse
@@ -27,7 +28,7 @@ TEST_BED_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB"
                 "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def measure(sizes_mib, runs, threads):
+def measure(sizes_mib, runs):
     """In this process: kernel seconds of each op, per size and run."""
     import numpy as np
     import tensorflow as tf
@@ -35,8 +36,7 @@ def measure(sizes_mib, runs, threads):
 
     import tfmemopt  # registers the ops
 
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    config = config_pb2.ConfigProto(intra_op_parallelism_threads=threads)
+    config = config_pb2.ConfigProto()
     config.graph_options.rewrite_options.disable_meta_optimizer = True
     config.graph_options.optimizer_options.opt_level = config_pb2.OptimizerOptions.L0
     trace = config_pb2.RunOptions(trace_level=config_pb2.RunOptions.FULL_TRACE)
@@ -79,49 +79,49 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--runs", type=int, default=9, help="runs per size (first is cold)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, os.cpu_count()],
-                        help="intra-op thread counts to compare; the last is the default")
+    parser.add_argument("--repeats", type=int, default=3, help="subprocesses, one after another")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--child-threads", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.runs < 2:
         parser.error("--runs must be at least 2 (the first run is cold)")
 
-    if args.child_threads:
-        print(json.dumps(measure(args.sizes_mib, args.runs, args.child_threads)))
+    if args.child:
+        print(json.dumps(measure(args.sizes_mib, args.runs)))
         return
 
     env = dict(os.environ)
     for key, value in TEST_BED_ENV.items():
         env.setdefault(key, value)
-    by_threads = {}
-    for threads in args.threads:
+    repeats = []
+    for _ in range(args.repeats):
         proc = subprocess.run(
-            [sys.executable, __file__, "--child-threads", str(threads), "--runs", str(args.runs),
+            [sys.executable, __file__, "--child", "--runs", str(args.runs),
              "--sizes-mib", *map(str, args.sizes_mib)],
             capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            sys.exit(f"host_bandwidth: measuring with {threads} threads failed:\n{proc.stderr[-2000:]}")
+            sys.exit(f"host_bandwidth: the measurement failed:\n{proc.stderr[-2000:]}")
         raw = json.loads(proc.stdout.strip().splitlines()[-1])
-        by_threads[threads] = [summarize(r["size_mib"], r["seconds"]) for r in raw]
+        repeats.append([summarize(r["size_mib"], r["seconds"]) for r in raw])
 
     gbs = 1e9
     print(f"TF_CPU_ALLOCATOR_USE_BFC={env['TF_CPU_ALLOCATOR_USE_BFC']} "
-          f"TF_CPU_BFC_MEM_LIMIT_IN_MB={env['TF_CPU_BFC_MEM_LIMIT_IN_MB']}, {args.runs} runs per size")
-    print(f"{'threads':>7} | {'MiB':>5} | {'out cold':>8} | {'out warm':>8} | {'in cold':>8} | "
+          f"TF_CPU_BFC_MEM_LIMIT_IN_MB={env['TF_CPU_BFC_MEM_LIMIT_IN_MB']}, "
+          f"{args.runs} runs per size, {args.repeats} repeats")
+    print(f"{'repeat':>6} | {'MiB':>5} | {'out cold':>8} | {'out warm':>8} | {'in cold':>8} | "
           f"{'in warm':>8}   (GB/s)")
-    for threads, rows in by_threads.items():
+    for index, rows in enumerate(repeats):
         for row in rows:
-            print(f"{threads:>7} | {row['size_mib']:>5} | {row['swap_out_cold'] / gbs:>8.2f} | "
+            print(f"{index:>6} | {row['size_mib']:>5} | {row['swap_out_cold'] / gbs:>8.2f} | "
                   f"{row['swap_out_warm'] / gbs:>8.2f} | {row['swap_in_cold'] / gbs:>8.2f} | "
                   f"{row['swap_in_warm'] / gbs:>8.2f}")
-    largest = by_threads[args.threads[-1]][-1]
-    figure = min(largest["swap_out_warm"], largest["swap_in_warm"])
-    print(f"host_bandwidth_bytes_per_sec = {figure:.4g}  (lower of warm swap-out/swap-in at "
-          f"{largest['size_mib']} MiB, {args.threads[-1]} intra-op threads)")
+    largest = [rows[-1] for rows in repeats]
+    figure = min(statistics.median(r["swap_out_warm"] for r in largest),
+                 statistics.median(r["swap_in_warm"] for r in largest))
+    print(f"host_bandwidth_bytes_per_sec = {figure:.3g}  (lower of the median warm swap-out and "
+          f"swap-in throughputs at {largest[0]['size_mib']} MiB)")
     if args.json:
-        print(json.dumps({"host_bandwidth_bytes_per_sec": figure,
-                          "threads": {str(t): rows for t, rows in by_threads.items()}}))
+        print(json.dumps({"host_bandwidth_bytes_per_sec": figure, "repeats": repeats}))
 
 
 if __name__ == "__main__":

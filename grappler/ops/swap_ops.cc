@@ -1,9 +1,9 @@
 #include "grappler/ops/swap_ops.h"
 
-#include <algorithm>
 #include <cstring>
 #include <mutex>
 
+#include "absl/strings/str_cat.h"
 #include "grappler/ops/host_memory_pool.h"
 #include "tensorflow/core/framework/kernel_def_builder.h"
 #include "tensorflow/core/framework/op.h"
@@ -26,33 +26,12 @@ constexpr char kPlainTypesAttr[] =
     "T: {bool, int8, uint8, int16, uint16, int32, uint32, int64, uint64, "
     "half, bfloat16, float, double, complex64, complex128}";
 
-// Below this many bytes per shard, waking another intra-op thread costs more than
-// the copy it takes over (benchmarks/host_bandwidth.py measures both).
-constexpr size_t kMinBytesPerShard = size_t{1} << 20;
-
-// memcpy split over the device's intra-op threads.
-void ParallelCopy(OpKernelContext* ctx, void* dst, const void* src, size_t bytes) {
-  if (bytes == 0) return;
-  const auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
-  const int64_t shards = std::min<int64_t>(threads->num_threads, bytes / kMinBytesPerShard);
-  if (shards <= 1) {
-    std::memcpy(dst, src, bytes);
-    return;
-  }
-  // Cache-line aligned shard boundaries, so no two threads write one line.
-  const size_t a = HostMemoryPool::kAlignment;
-  const size_t shard_bytes = ((bytes + shards - 1) / shards + a - 1) / a * a;
-  auto* out = static_cast<char*>(dst);
-  const auto* in = static_cast<const char*>(src);
-  threads->workers->ParallelFor(
-      shards, tsl::thread::ThreadPool::SchedulingParams::Fixed(1),
-      [&](int64_t begin, int64_t end) {
-        for (int64_t shard = begin; shard < end; ++shard) {
-          const size_t offset = shard * shard_bytes;
-          if (offset >= bytes) break;
-          std::memcpy(out + offset, in + offset, std::min(shard_bytes, bytes - offset));
-        }
-      });
+// One memcpy on the kernel's own thread. Splitting it over the intra-op threads
+// gained nothing measurable here (memory-bound; benchmarks/host_bandwidth.py at
+// commit ef7e3a0), and would take those threads from the compute that a swap is
+// meant to overlap with.
+void Copy(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
 }
 
 class SwapOutOp : public OpKernel {
@@ -67,7 +46,7 @@ class SwapOutOp : public OpKernel {
     OP_REQUIRES(ctx, buffer != nullptr,
                 absl::ResourceExhaustedError(absl::StrCat(
                     name(), ": the host memory pool cannot allocate ", bytes, " bytes")));
-    ParallelCopy(ctx, buffer->data(), x.tensor_data().data(), bytes);
+    Copy(buffer->data(), x.tensor_data().data(), bytes);
     ctx->set_output(0, Tensor(x.dtype(), x.shape(), std::move(buffer)));
   }
 };
@@ -82,8 +61,8 @@ class SwapInOp : public OpKernel {
     // and the host buffer is released when the stash's last reference goes.
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, stash.shape(), &y));
-    ParallelCopy(ctx, const_cast<char*>(y->tensor_data().data()), stash.tensor_data().data(),
-                 stash.TotalBytes());
+    Copy(const_cast<char*>(y->tensor_data().data()), stash.tensor_data().data(),
+         stash.TotalBytes());
     HostMemoryPool::Global()->RecordSwapIn();
   }
 };
