@@ -21,18 +21,19 @@ PYBIND11_MODULE(_ext, m) {
   // The TF version whose headers this was compiled against (set by CMake).
   m.attr("BUILT_AGAINST_TF_VERSION") = TFMEMOPT_BUILT_AGAINST_TF;
 
-  // Before the pass: graphs it rewrites may hold the swap ops.
-  if (absl::Status status = tfmemopt::RegisterSwapOpsOnce(); !status.ok()) {
-    throw py::import_error(std::string("tfmemopt: cannot register the swap ops: ") +
-                           std::string(status.message()) +
-                           ". Load only one copy of tfmemopt per process.");
-  }
-
   if (!tfmemopt::RegisterTfMemOptOnce()) {
     throw py::import_error(
         "tfmemopt: a Grappler pass named 'TfMemOpt' is already registered by another "
         "library (for example a Bazel-built libtfmemopt.so loaded with "
         "tf.load_library). Load only one of them: registering twice aborts TensorFlow.");
+  }
+
+  // The ops the pass inserts. A second copy of tfmemopt is refused by the check
+  // above; this one catches another library that took the ops' names.
+  if (absl::Status status = tfmemopt::RegisterSwapOpsOnce(); !status.ok()) {
+    throw py::import_error(std::string("tfmemopt: cannot register the swap ops: ") +
+                           std::string(status.message()) +
+                           ". Load only one copy of tfmemopt per process.");
   }
 
   m.def("reports", &tfmemopt::PublishedReports,

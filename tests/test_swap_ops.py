@@ -128,6 +128,22 @@ def test_one_stash_serves_several_swap_ins():
     assert a.tobytes() == value.tobytes() and b.tobytes() == value.tobytes()
 
 
+def test_the_ops_run_inside_a_tf_function_after_grappler():
+    """tf.function graphs are the ones TfMemOpt rewrites; TF's default passes run."""
+    value = random_array(tf.float32, (300, 7), seed=8)
+
+    @tf.function
+    def step(x):
+        stash = swap_out(x)
+        gap_end = tf.reduce_sum(x * 2.0)
+        return swap_in(stash, after=[gap_end.op]), gap_end
+
+    swaps_before = tfmemopt.host_memory_stats()["swap_ins"]
+    y, _ = step(tf.constant(value))
+    assert y.numpy().tobytes() == value.tobytes()
+    assert tfmemopt.host_memory_stats()["swap_ins"] == swaps_before + 1
+
+
 # --- Host pool ------------------------------------------------------------------
 
 def test_host_pool_holds_the_bytes_while_swapped_out_and_counts_swaps():

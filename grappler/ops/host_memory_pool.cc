@@ -8,10 +8,12 @@
 
 namespace tfmemopt {
 
-inline constexpr char kHostPoolAllocatorName[] = "tfmemopt_host_pool";
+namespace {
+constexpr char kHostPoolAllocatorName[] = "tfmemopt_host_pool";
+}  // namespace
 
 // One swapped-out tensor's bytes. Ref-counted by the Tensors that share it; the
-// last Unref frees the memory and returns its bytes to the pool's count.
+// last Unref hands the block back to the pool.
 class HostPoolBuffer : public tensorflow::TensorBuffer {
  public:
   HostPoolBuffer(void* data, size_t bytes, HostMemoryPool* pool)

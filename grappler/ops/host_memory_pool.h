@@ -6,13 +6,13 @@
 // allocates with the C library (never through a TF Allocator) and hands each
 // allocation out as a TensorBuffer: a Tensor built on it
 // (Tensor(DataType, TensorShape, TensorBuffer*)) flows through the graph like any
-// other, and the bytes go back to the system when its last reference is dropped.
+// other, and the bytes go back to the pool when its last reference is dropped.
 //
-// Freed allocations are kept for the next swap-out of the same size: a training
+// The pool keeps freed blocks for the next swap-out of the same size: a training
 // loop swaps the same tensor sizes every step, and faulting in fresh pages costs
 // more than the copy itself (benchmarks/host_bandwidth.py). The cache never holds
-// more bytes than the live blocks did at their highest; beyond that, the least recently
-// freed blocks go back to the system first.
+// more bytes than the live blocks did at their highest; beyond that, the least
+// recently freed blocks go back to the system first.
 //
 // The pool is process-wide and thread-safe; it counts bytes in use, their peak,
 // the bytes cached, and the swap-outs and swap-ins performed.
@@ -23,8 +23,8 @@
 #include <cstdint>
 #include <list>
 #include <map>
-#include <utility>
 #include <mutex>
+#include <utility>
 
 #include "tensorflow/core/framework/tensor.h"
 
