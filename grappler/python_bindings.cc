@@ -7,6 +7,8 @@
 #include <pybind11/stl.h>
 
 #include "grappler/memory_optimizer_options.h"
+#include "grappler/ops/host_memory_pool.h"
+#include "grappler/ops/swap_ops.h"
 #include "grappler/report/memory_report.h"
 #include "grappler/tfmemopt_optimizer.h"
 #include "tensorflow/core/protobuf/rewriter_config.pb.h"
@@ -24,6 +26,14 @@ PYBIND11_MODULE(_ext, m) {
         "tfmemopt: a Grappler pass named 'TfMemOpt' is already registered by another "
         "library (for example a Bazel-built libtfmemopt.so loaded with "
         "tf.load_library). Load only one of them: registering twice aborts TensorFlow.");
+  }
+
+  // The ops the pass inserts. A second copy of tfmemopt is refused by the check
+  // above; this one catches another library that took the ops' names.
+  if (absl::Status status = tfmemopt::RegisterSwapOpsOnce(); !status.ok()) {
+    throw py::import_error(std::string("tfmemopt: cannot register the swap ops: ") +
+                           std::string(status.message()) +
+                           ". Load only one copy of tfmemopt per process.");
   }
 
   m.def("reports", &tfmemopt::PublishedReports,
@@ -44,4 +54,21 @@ PYBIND11_MODULE(_ext, m) {
       },
       "Parses a serialized custom optimizer entry as the pass's Init() does; returns "
       "'' or the error message.");
+  m.def(
+      "host_pool_stats",
+      [] {
+        const tfmemopt::HostPoolStats stats = tfmemopt::HostMemoryPool::Global()->Stats();
+        py::dict d;
+        d["bytes_in_use"] = stats.bytes_in_use;
+        d["peak_bytes"] = stats.peak_bytes;
+        d["swap_outs"] = stats.swap_outs;
+        d["swap_ins"] = stats.swap_ins;
+        d["cached_bytes"] = stats.cached_bytes;
+        return d;
+      },
+      "Host memory pool of the swap ops: bytes_in_use, peak_bytes, swap_outs, swap_ins, "
+      "cached_bytes (freed blocks kept for reuse).");
+  m.def(
+      "reset_host_pool_peak", [] { tfmemopt::HostMemoryPool::Global()->ResetPeak(); },
+      "Restarts the host pool's peak_bytes from its bytes_in_use.");
 }

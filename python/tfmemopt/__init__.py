@@ -78,6 +78,19 @@ def clear_reports():
     _ext.clear_reports()
 
 
+def host_memory_stats(reset_peak=False):
+    """The host memory pool that swapped-out tensors live in (outside TensorFlow's
+    allocators), as a dict: bytes_in_use, peak_bytes, swap_outs, swap_ins, and
+    cached_bytes (freed blocks the pool keeps for the next swap-outs of their size).
+
+    reset_peak=True restarts peak_bytes from bytes_in_use after reading.
+    """
+    stats = _ext.host_pool_stats()
+    if reset_peak:
+        _ext.reset_host_pool_peak()
+    return stats
+
+
 __all__ = [
     "analyze",
     "analyze_metagraph",
@@ -89,6 +102,7 @@ __all__ = [
     "disable",
     "enable",
     "enabled_config",
+    "host_memory_stats",
     "make_config",
     "parse_size",
     "reports",
