@@ -221,6 +221,10 @@ const std::vector<OptionField>& Fields() {
           [](O* o, int i) { o->recompute_policy = static_cast<RecomputePolicy>(i); },
           [](const O& o) { return static_cast<int>(o.recompute_policy); }),
       StringListField("recompute_scopes", &O::recompute_scopes),
+      IntField<int64_t>("max_swapped_tensors", "int64", &O::max_swapped_tensors, 0, INT64_MAX),
+      IntField<int>("swapin_lead_ops", "int32", &O::swapin_lead_ops, 0, INT32_MAX),
+      IntField<int>("swapin_lag_ops", "int32", &O::swapin_lag_ops, 0, INT32_MAX),
+      BoolField("fuse_swapins", &O::fuse_swapins),
       ChoiceField(
           "test_only_fail_stage", "string", FailStages(),
           [](O* o, int i) { o->test_only_fail_stage = FailStages()[i]; },
@@ -264,6 +268,13 @@ absl::Status ParseMemoryOptimizerOptions(
     }
     absl::Status status = match->set(key, value, options);
     if (!status.ok()) return status;
+  }
+  if (options->swapin_lead_ops > 0 && options->swapin_lag_ops > 0 &&
+      options->swapin_lead_ops > options->swapin_lag_ops) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TfMemOpt: parameter_map keys 'swapin_lead_ops' (", options->swapin_lead_ops,
+        ") and 'swapin_lag_ops' (", options->swapin_lag_ops,
+        ") contradict each other; allowed: swapin_lead_ops <= swapin_lag_ops"));
   }
   if (config->parameter_map().count("budget_bytes") &&
       config->parameter_map().count("budget_fraction")) {

@@ -45,6 +45,12 @@ struct MemoryOptimizerOptions {
   RecomputePolicy recompute_policy = RecomputePolicy::kAuto;
   // Name scopes recomputed under RecomputePolicy::kManual.
   std::vector<std::string> recompute_scopes;
+  // At most this many tensors are swapped; 0: no limit.
+  int64_t max_swapped_tensors = 0;
+  // Bounds in ops on how far ahead of its first reader a swap-in starts; 0: none.
+  int swapin_lead_ops = 0;
+  int swapin_lag_ops = 0;
+  bool fuse_swapins = true;
   // Test-only: name of the stage that must fail ("" = none).
   std::string test_only_fail_stage;
 };

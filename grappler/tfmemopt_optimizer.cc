@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "grappler/analyze/control_flow.h"
 #include "grappler/analyze/tensor_table.h"
-#include "grappler/plan/recompute_planner.h"
+#include "grappler/plan/memory_planner.h"
 #include "grappler/report/memory_report.h"
 #include "grappler/rewrite/recompute_pass.h"
 #include "grappler/simulate/liveness_simulator.h"
@@ -144,19 +144,43 @@ void FillDeviceFigures(const TensorTable& table, const DeviceTimeline& timeline,
   FillPeakTensors(table, timeline, device);
 }
 
-SimulationOptions SimulationFor(const std::vector<DeviceReport>& devices) {
+// Allocator settings for simulating a table whose devices are `table_devices` (a
+// rewritten graph may use one more: the host a GPU swaps to).
+SimulationOptions SimulationFor(const std::vector<DeviceReport>& devices,
+                                const std::vector<std::string>& table_devices) {
   SimulationOptions simulation;
-  for (const DeviceReport& device : devices) {
-    simulation.bfc_memory_limit.push_back(device.allocator == "bfc" ? device.memory_bytes : 0);
+  for (const std::string& name : table_devices) {
+    int64_t limit = 0;
+    for (const DeviceReport& device : devices) {
+      if (device.device == name && device.allocator == "bfc") limit = device.memory_bytes;
+    }
+    simulation.bfc_memory_limit.push_back(limit);
   }
   return simulation;
 }
 
-RecomputePlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
-                                       const std::vector<DeviceReport>& devices) {
-  RecomputePlannerOptions planner;
+// Index of device `name` in a simulation's devices, or -1.
+int DeviceIndex(const SimulationResult& simulation, const std::string& name) {
+  for (size_t d = 0; d < simulation.devices.size(); ++d) {
+    if (simulation.devices[d].device == name) return static_cast<int>(d);
+  }
+  return -1;
+}
+
+MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
+                                    const std::vector<DeviceReport>& devices,
+                                    const std::vector<std::string>& table_devices) {
+  MemoryPlannerOptions planner;
   planner.policy = options.mode == Mode::kManual ? RecomputePolicy::kManual
                                                  : options.recompute_policy;
+  planner.enable_recompute = options.enable_recompute;
+  // MANUAL means only what the user hinted: no swapping on the planner's initiative.
+  planner.enable_swap = options.enable_swap && options.mode != Mode::kManual;
+  planner.max_swapped_tensors = options.max_swapped_tensors;
+  planner.swap.bandwidth_bytes_per_sec = options.host_bandwidth_bytes_per_sec;
+  planner.swap.lead_ops = options.swapin_lead_ops;
+  planner.swap.lag_ops = options.swapin_lag_ops;
+  planner.swap.fuse_swapins = options.fuse_swapins;
   for (const DeviceReport& device : devices) planner.budget_bytes.push_back(device.budget_bytes);
   planner.min_tensor_bytes = options.min_tensor_bytes;
   planner.exclude_scopes = options.exclude_scopes;
@@ -164,7 +188,7 @@ RecomputePlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
   planner.exclude_op_types = options.exclude_op_types;
   planner.include_op_types = options.include_op_types;
   planner.hint_scopes = options.recompute_scopes;
-  planner.simulation = SimulationFor(devices);
+  planner.simulation = SimulationFor(devices, table_devices);
   return planner;
 }
 
@@ -206,7 +230,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (!s.ok()) return s;
     s = AnalyzeControlFlow(item.graph, table, order, &flow);
     if (!s.ok()) return s;
-    return Simulate(table, order, SimulationFor(devices), &before);
+    return Simulate(table, order, SimulationFor(devices, table.devices), &before);
   });
   if (!status.ok()) return status;
   for (size_t d = 0; d < devices.size(); ++d) {
@@ -216,8 +240,8 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
 
   // Plan. A graph that already holds our nodes is our own output, seen again by a
   // later meta-optimizer iteration: it is only analyzed (idempotence).
-  RecomputePlan plan;
-  RecomputeRewrite rewrite;
+  MemoryPlan plan;
+  PlannedRewrite rewrite;
   SimulationResult planned;
   const bool rewritten_before = HasTfMemOptNodes(item.graph);
   status = stages->Run("plan", [&] {
@@ -232,17 +256,20 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       }
       over_budget |= device.budget_bytes > 0 && device.peak_before_bytes > device.budget_bytes;
     }
-    const RecomputePlannerOptions planner = PlannerOptions(options, devices);
-    const bool wanted = planner.policy != RecomputePolicy::kAuto || over_budget;
-    if (options.mode == Mode::kAnalyzeOnly || rewritten_before || !options.enable_recompute ||
-        !wanted) {
+    const MemoryPlannerOptions planner = PlannerOptions(options, devices, table.devices);
+    const bool hinted_recompute =
+        planner.enable_recompute && planner.policy != RecomputePolicy::kAuto;
+    const bool wanted = hinted_recompute ||
+                        (over_budget && (planner.enable_recompute || planner.enable_swap));
+    if (options.mode == Mode::kAnalyzeOnly || rewritten_before || !wanted) {
       return absl::OkStatus();
     }
-    report->recompute.planned = true;
+    report->recompute.planned = planner.enable_recompute;
     report->recompute.policy = RecomputePolicyName(planner.policy);
-    absl::Status s = PlanRecompute(table, order, flow, planner, &plan, &rewrite, &planned);
+    report->swap.planned = planner.enable_swap;
+    absl::Status s = PlanMemory(table, order, flow, planner, &plan, &rewrite, &planned);
     if (!s.ok()) return s;
-    report->recompute.feasible = plan.feasible;
+    report->recompute.feasible = report->swap.feasible = plan.feasible;
     report->recompute.simulations = plan.simulations;
     report->recompute.left_alone = plan.left_alone;
     report->recompute.hinted_but_not_recomputable = plan.hinted_but_not_recomputable;
@@ -255,20 +282,30 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   if (!status.ok()) return status;
 
   status = stages->Run("rewrite", [&] {
-    if (rewrite.cloned.empty()) return absl::OkStatus();
-    for (int n : rewrite.cloned) report->recompute.nodes.push_back(table.nodes[n].def->name());
-    report->recompute.num_triggers = rewrite.num_triggers;
-    report->recompute.added_seconds = rewrite.added_seconds;
-    return ApplyRecomputeRewrite(rewrite, output);
+    const RecomputeRewrite& recompute = rewrite.recompute;
+    const SwapRewrite& swap = rewrite.swap;
+    if (recompute.cloned.empty() && swap.swapped.empty()) return absl::OkStatus();
+    for (int n : recompute.cloned) report->recompute.nodes.push_back(table.nodes[n].def->name());
+    report->recompute.num_triggers = recompute.num_triggers;
+    report->recompute.added_seconds = recompute.added_seconds;
+    for (int t : swap.swapped) report->swap.tensors.push_back(recompute.table.TensorName(t));
+    report->swap.num_swap_out = swap.num_swap_out;
+    report->swap.num_swap_in = swap.num_swap_in;
+    report->swap.bytes_to_host = swap.bytes_to_host;
+    report->swap.copy_seconds = swap.copy_seconds;
+    report->swap.host_peak_bytes = 0;
+    HostBytesTimeline(swap.table, swap.order, &report->swap.host_peak_bytes);
+    return ApplyPlannedRewrite(rewrite, output);
   });
   if (!status.ok()) return status;
-  report->graph_changed = !rewrite.cloned.empty();
+  report->graph_changed = !rewrite.recompute.cloned.empty() || !rewrite.swap.swapped.empty();
 
   // Verify: the output is a valid graph, and analyzed afresh (its own shapes, its own
   // order) it peaks no higher than the original did.
   // after_table points into `rewritten`, so both live to the report stage.
   GrapplerItem rewritten;
   TensorTable after_table;
+  std::vector<int> after_order;
   SimulationResult after;
   status = stages->Run("verify", [&] {
     absl::Status s = VerifyOptimizedGraph(item, *output);
@@ -276,19 +313,20 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     rewritten = item.WithGraph(tensorflow::GraphDef(*output));
     s = BuildTensorTable(rewritten, options, &after_table);
     if (!s.ok()) return s;
-    std::vector<int> after_order;
     s = TopologicalOrder(rewritten.graph, after_table, &after_order);
     if (!s.ok()) return s;
-    s = Simulate(after_table, after_order, SimulationFor(devices), &after);
+    s = Simulate(after_table, after_order, SimulationFor(devices, after_table.devices), &after);
     if (!s.ok()) return s;
-    if (after.devices.size() != before.devices.size()) {
-      return absl::InternalError("the rewritten graph uses other devices");
-    }
-    for (size_t d = 0; d < after.devices.size(); ++d) {
-      if (PredictedPeak(after.devices[d]) > PredictedPeak(before.devices[d])) {
+    for (size_t d = 0; d < before.devices.size(); ++d) {
+      const int a = DeviceIndex(after, before.devices[d].device);
+      if (a < 0) {
+        return absl::InternalError(absl::StrCat("the rewritten graph no longer uses ",
+                                                before.devices[d].device));
+      }
+      if (PredictedPeak(after.devices[a]) > PredictedPeak(before.devices[d])) {
         return absl::InternalError(absl::StrCat(
             "the rewritten graph's predicted peak on ", devices[d].device, " (",
-            FormatBytes(PredictedPeak(after.devices[d])), ") exceeds the original's (",
+            FormatBytes(PredictedPeak(after.devices[a])), ") exceeds the original's (",
             FormatBytes(PredictedPeak(before.devices[d])), ")"));
       }
     }
@@ -300,11 +338,20 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     const bool changed = report->graph_changed;
     const TensorTable& final_table = changed ? after_table : table;
     const SimulationResult& final_simulation = changed ? after : before;
+    report->timeline.clear();
     for (size_t d = 0; d < devices.size(); ++d) {
-      FillDeviceFigures(final_table, final_simulation.devices[d], &devices[d]);
+      const int index = DeviceIndex(final_simulation, devices[d].device);
+      if (index < 0) return absl::InternalError(absl::StrCat("no timeline for ", devices[d].device));
+      FillDeviceFigures(final_table, final_simulation.devices[index], &devices[d]);
+      report->timeline.push_back(final_simulation.devices[index]);
     }
     report->devices = std::move(devices);
-    report->timeline = final_simulation.devices;
+    if (changed && !rewrite.swap.swapped.empty()) {
+      int64_t host_peak = 0;
+      const std::vector<int64_t> host = HostBytesTimeline(after_table, after_order, &host_peak);
+      for (DeviceTimeline& timeline : report->timeline) timeline.host_bytes = host;
+      report->swap.host_peak_bytes = std::max(report->swap.host_peak_bytes, host_peak);
+    }
     report->timeline_before = before.devices;
     return absl::OkStatus();
   });
@@ -373,8 +420,12 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
   Published& published = published_[item.id];
   const std::string summary = report.Summary();
   if (summary != published.summary) {
+    const bool infeasible = (report.recompute.planned || report.swap.planned) &&
+                            !(report.recompute.feasible && report.swap.feasible);
     if (report.status != "ok") {
       LOG(WARNING) << summary;
+    } else if (infeasible && options_.log_level >= 1) {
+      LOG(WARNING) << summary;  // the best plan is applied; the budget is not met
     } else if (options_.log_level >= 1) {
       LOG(INFO) << summary;
     }

@@ -1,5 +1,6 @@
 """Shared builders for the tfmemopt specification tests."""
 
+import json
 import os
 import subprocess
 import sys
@@ -102,3 +103,123 @@ def run_python(code, *args, env=None, timeout=600):
 def tfmemopt_cli(*args, env=None, timeout=600):
     """Runs `python -m tfmemopt ARGS...` in a fresh interpreter."""
     return _run([sys.executable, "-m", "tfmemopt", *map(str, args)], env, timeout)
+
+
+BATCH_MLP, WIDTH_MLP = 1024, 256  # one activation of chain_mlp: 1 MiB, the default min_tensor_bytes
+
+
+def chain_mlp(depth=12, seed=0, hinted=(), dropout=None):
+    """A `depth`-layer ReLU MLP trained with SGD, layer i under name scope layer_i;
+    layers in `hinted` are built in tfmemopt.recompute_scope(). Returns (step, x,
+    variables)."""
+    rng = np.random.default_rng(seed)
+    ws = [tf.Variable(rng.standard_normal((WIDTH_MLP, WIDTH_MLP), dtype=np.float32) * 0.08)
+          for _ in range(depth)]
+    x = tf.constant(rng.standard_normal((BATCH_MLP, WIDTH_MLP), dtype=np.float32))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for i, w in enumerate(ws):
+                with tf.name_scope(f"layer_{i}"):
+                    if i in hinted:
+                        with tfmemopt.recompute_scope():
+                            h = tf.nn.relu(tf.matmul(h, w))
+                    else:
+                        h = tf.nn.relu(tf.matmul(h, w))
+                    if dropout is not None:
+                        h = tf.nn.dropout(h, rate=dropout, seed=i)
+            loss = tf.reduce_mean(tf.square(h))
+        grads = tape.gradient(loss, ws)
+        for w, g in zip(ws, grads):
+            w.assign_sub(0.1 * g)
+        return loss
+
+    return step, x, ws
+
+
+def optimize(step, *args, cluster=None, placement=None, memory_optimization=None, **fields):
+    """The step's graph after TF's meta-optimizer with TfMemOpt (two iterations, as
+    when TF builds the function), and the pass's report. `placement` (a device name)
+    places every node there first; `memory_optimization` sets TF's own option."""
+    from tensorflow.python.grappler import cluster as grappler_cluster
+    from tensorflow.python.grappler import tf_optimizer
+    from tfmemopt.analysis import metagraph_of
+
+    metagraph = metagraph_of(step.get_concrete_function(*args))
+    if placement:
+        for node in metagraph.graph_def.node:
+            node.device = placement
+    config = tfmemopt.config_proto(log_level=0, **fields)
+    config.graph_options.rewrite_options.min_graph_nodes = -1
+    if memory_optimization:
+        config.graph_options.rewrite_options.memory_optimization = getattr(
+            config.graph_options.rewrite_options, memory_optimization)
+    before = len(tfmemopt.reports())
+    graph = tf_optimizer.OptimizeGraph(
+        config, metagraph,
+        cluster=cluster or grappler_cluster.Cluster(disable_detailed_stats=True))
+    report = [r for r in tfmemopt.reports()[before:] if r.graph_id == "graph_to_optimize"][-1]
+    return graph, report
+
+
+def peak_before(step, *args):
+    """The pass's predicted peak of the step's graph as it is (CPU:0)."""
+    report = tfmemopt.analyze(step, *args, mode="ANALYZE_ONLY")
+    return report.predicted_peak_bytes["before"]["CPU:0"]
+
+
+def train(step, x, ws, steps=3):
+    """Losses of `steps` steps and the final weights."""
+    losses = [step(x).numpy() for _ in range(steps)]
+    return losses, [w.numpy() for w in ws]
+
+
+def readers_of(graph):
+    """{node name: names of the nodes that read it (data or control)}."""
+    readers = {}
+    for node in graph.node:
+        for i in node.input:
+            readers.setdefault(i.lstrip("^").split(":")[0], []).append(node.name)
+    return readers
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+SUBPROCESS_TRAIN = r'''
+import json, sys
+import numpy as np
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)  # TF itself races otherwise
+sys.path.insert(0, sys.argv[1])
+import tfmemopt
+from models import MODELS
+name, fields = sys.argv[2], json.loads(sys.argv[3])
+if fields:
+    tfmemopt.enable(log_level=0, **fields)
+tf.keras.utils.set_random_seed(0)
+step, (x, y) = MODELS[name](**json.loads(sys.argv[4]))
+losses = [float(step(x, y)) for _ in range(3)]
+peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+reports = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train_step")]
+last = reports[-1] if reports else None
+print("RESULT " + json.dumps({"losses": losses, "peak": peak,
+      "recomputed": last.recomputed_ops if last else [],
+      "swapped": last.swap.get("tensors", []) if last else [],
+      "before": last.predicted_peak_bytes["before"]["CPU:0"] if last else 0,
+      "after": last.predicted_peak_bytes["after"]["CPU:0"] if last else 0,
+      "host": tfmemopt.host_memory_stats()}))
+'''
+
+
+def train_in_subprocess(name, fields, model_kwargs, cap_mb=2048):
+    """Trains a benchmark model for 3 steps on the capped BFC allocator in a fresh
+    interpreter (one inter-op thread: TF's own results vary run to run otherwise)."""
+    proc = run_python(
+        SUBPROCESS_TRAIN, BENCHMARKS, name, json.dumps(fields), json.dumps(model_kwargs),
+        env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(cap_mb),
+             "TF_CPP_MIN_LOG_LEVEL": "2"})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])

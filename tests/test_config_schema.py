@@ -151,6 +151,9 @@ def _entry(**params):
         ({"budget_fraction": attr_value_pb2.AttrValue(f=0)}, ["'budget_fraction'", "float 0", "(0, 1]"]),
         ({"mode": attr_value_pb2.AttrValue(s=b"FAST")}, ["'mode'", "\"FAST\"", "\"AUTO\""]),
         ({"recompute_policy": attr_value_pb2.AttrValue(s=b"ALL")}, ["'recompute_policy'", "\"ALL\"", "\"SQRT\""]),
+        ({"swapin_lead_ops": attr_value_pb2.AttrValue(i=-1)}, ["'swapin_lead_ops'", "int -1", "0..2147483647"]),
+        ({"swapin_lead_ops": attr_value_pb2.AttrValue(i=9), "swapin_lag_ops": attr_value_pb2.AttrValue(i=3)},
+         ["'swapin_lead_ops' (9)", "'swapin_lag_ops' (3)", "swapin_lead_ops <= swapin_lag_ops"]),
         ({"enable_swap": attr_value_pb2.AttrValue(i=1)}, ["'enable_swap'", "int 1", "a bool"]),
         ({"budget_bytes": attr_value_pb2.AttrValue(i=1), "budget_fraction": attr_value_pb2.AttrValue(f=0.5)}, ["both set"]),
     ],
@@ -168,7 +171,8 @@ def test_cpp_accepts_every_valid_field():
         include_scopes=["y/"], exclude_op_types=["Conv2D"], include_op_types=["Relu"],
         host_bandwidth_bytes_per_sec=8e9, fail_on_infeasible=True, log_level=2,
         assume_batch_size=32, test_only_fail_stage="plan", recompute_policy="SQRT",
-        recompute_scopes=["block_3"],
+        recompute_scopes=["block_3"], max_swapped_tensors=10, swapin_lead_ops=2,
+        swapin_lag_ops=8, fuse_swapins=False,
     ))
     assert set(entry.parameter_map) == set(tmconfig.schema()) - {"budget_bytes"}
     assert tfmemopt._ext.check_custom_optimizer(entry.SerializeToString()) == ""

@@ -17,65 +17,17 @@ from tensorflow.python.grappler import tf_optimizer
 import tfmemopt
 from tfmemopt.analysis import metagraph_of
 
-from conftest import run_python
-
-BENCHMARKS = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks")
+from conftest import BATCH_MLP as BATCH, WIDTH_MLP as WIDTH, chain_mlp, peak_before, train
+from conftest import train_in_subprocess
+from conftest import optimize as _optimize
 
 PREFIX = "TfMemOpt/Recompute/"
-BATCH, WIDTH = 1024, 256  # one activation: 1 MiB, the default min_tensor_bytes
-
-
-def chain_mlp(depth=12, seed=0, hinted=(), dropout=None):
-    """A `depth`-layer ReLU MLP trained with SGD; layers in `hinted` are built in
-    tfmemopt.recompute_scope(). Returns (step, x, variables)."""
-    rng = np.random.default_rng(seed)
-    ws = [tf.Variable(rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) * 0.08)
-          for _ in range(depth)]
-    x = tf.constant(rng.standard_normal((BATCH, WIDTH), dtype=np.float32))
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            h = x
-            for i, w in enumerate(ws):
-                with tf.name_scope(f"layer_{i}"):
-                    if i in hinted:
-                        with tfmemopt.recompute_scope():
-                            h = tf.nn.relu(tf.matmul(h, w))
-                    else:
-                        h = tf.nn.relu(tf.matmul(h, w))
-                    if dropout is not None:
-                        h = tf.nn.dropout(h, rate=dropout, seed=i)
-            loss = tf.reduce_mean(tf.square(h))
-        grads = tape.gradient(loss, ws)
-        for w, g in zip(ws, grads):
-            w.assign_sub(0.1 * g)
-        return loss
-
-    return step, x, ws
 
 
 def optimize(step, *args, **fields):
-    """The step's graph after TF's meta-optimizer with TfMemOpt (two iterations,
-    as when TF builds the function), and the pass's report."""
-    metagraph = metagraph_of(step.get_concrete_function(*args))
-    config = tfmemopt.config_proto(log_level=0, **fields)
-    config.graph_options.rewrite_options.min_graph_nodes = -1
-    before = len(tfmemopt.reports())
-    graph = tf_optimizer.OptimizeGraph(
-        config, metagraph, cluster=grappler_cluster.Cluster(disable_detailed_stats=True))
-    report = [r for r in tfmemopt.reports()[before:] if r.graph_id == "graph_to_optimize"][-1]
-    return graph, report
-
-
-def peak_before(step, *args):
-    return tfmemopt.analyze(step, *args, mode="ANALYZE_ONLY").predicted_peak_bytes["before"]["CPU:0"]
-
-
-def train(step, x, ws, steps=3):
-    losses = [step(x).numpy() for _ in range(steps)]
-    return losses, [w.numpy() for w in ws]
-
+    """As conftest.optimize, with swapping off: these tests are about recomputation."""
+    fields.setdefault("enable_swap", False)
+    return _optimize(step, *args, **fields)
 
 def test_auto_fits_the_budget_at_bitwise_identical_results():
     step, x, _ = chain_mlp()
@@ -83,7 +35,7 @@ def test_auto_fits_the_budget_at_bitwise_identical_results():
     budget = int(0.75 * before)
 
     base_losses, base_weights = train(*chain_mlp())
-    tfmemopt.enable(budget=budget, log_level=0)
+    tfmemopt.enable(budget=budget, enable_swap=False, log_level=0)
     losses, weights = train(*chain_mlp())
 
     assert losses == base_losses
@@ -139,7 +91,7 @@ def test_a_second_pass_over_the_output_adds_nothing():
     metagraph.graph_def.CopyFrom(graph)
     metagraph.collection_def["train_op"].CopyFrom(
         metagraph_of(step.get_concrete_function(x)).collection_def["train_op"])
-    config = tfmemopt.config_proto(budget=budget, log_level=0)
+    config = tfmemopt.config_proto(budget=budget, enable_swap=False, log_level=0)
     config.graph_options.rewrite_options.min_graph_nodes = -1
     again = tf_optimizer.OptimizeGraph(
         config, metagraph, cluster=grappler_cluster.Cluster(disable_detailed_stats=True))
@@ -207,7 +159,7 @@ def test_random_ops_are_never_recomputed_and_dropout_masks_stay_the_same():
         tf.random.set_seed(7)
         step, x, ws = chain_mlp(dropout=0.3)
         if fields:
-            tfmemopt.enable(**fields, log_level=0)
+            tfmemopt.enable(**fields, enable_swap=False, log_level=0)
         out = train(step, x, ws)
         tfmemopt.disable()
         return out
@@ -267,40 +219,6 @@ def test_ops_in_a_loop_are_left_alone():
         assert "while" not in clone.name
 
 
-SUBPROCESS_TRAIN = r'''
-import json, sys
-import numpy as np
-import tensorflow as tf
-tf.config.threading.set_inter_op_parallelism_threads(1)  # TF itself races otherwise
-sys.path.insert(0, sys.argv[1])
-import tfmemopt
-from models import MODELS
-name, fields = sys.argv[2], json.loads(sys.argv[3])
-if fields:
-    tfmemopt.enable(log_level=0, **fields)
-tf.keras.utils.set_random_seed(0)
-step, (x, y) = MODELS[name](**json.loads(sys.argv[4]))
-losses = [float(step(x, y)) for _ in range(3)]
-peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-reports = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train_step")]
-print("RESULT " + json.dumps({"losses": losses, "peak": peak,
-      "recomputed": reports[-1].recomputed_ops if reports else [],
-      "before": reports[-1].predicted_peak_bytes["before"]["CPU:0"] if reports else 0}))
-'''
-
-
-def train_in_subprocess(name, fields, model_kwargs, cap_mb=2048):
-    """Trains a benchmark model for 3 steps on the capped BFC allocator in a fresh
-    interpreter (one inter-op thread: TF's own results vary run to run otherwise)."""
-    proc = run_python(
-        SUBPROCESS_TRAIN, BENCHMARKS, name, json.dumps(fields), json.dumps(model_kwargs),
-        env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(cap_mb),
-             "TF_CPP_MIN_LOG_LEVEL": "2"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 @pytest.mark.parametrize("name, kwargs", [
     ("seed_cnn", {"batch": 128}),
     ("cifar_resnet10", {"blocks": 4, "batch": 64}),
@@ -310,7 +228,8 @@ def test_keras_models_train_bitwise_identically_and_lower_the_measured_peak(name
     base = train_in_subprocess(
         name, {"mode": "ANALYZE_ONLY", "assume_batch_size": kwargs["batch"]}, kwargs)
     assert base["recomputed"] == [] and base["before"] > 0
-    fields = {"budget": int(0.7 * base["before"]), "assume_batch_size": kwargs["batch"]}
+    fields = {"budget": int(0.7 * base["before"]), "assume_batch_size": kwargs["batch"],
+              "enable_swap": False}
     mine = train_in_subprocess(name, fields, kwargs)
     assert mine["recomputed"], "nothing was recomputed"
     assert mine["losses"] == base["losses"]

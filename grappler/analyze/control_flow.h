@@ -20,7 +20,10 @@ struct ControlFlowInfo {
   int num_loop_nodes = 0;
   int num_conditional_nodes = 0;
 
-  bool Under(int node) const { return in_loop[node] || conditional[node]; }
+  // Nodes the pass added (past the analyzed graph) are never under control flow.
+  bool Under(int node) const {
+    return node < static_cast<int>(in_loop.size()) && (in_loop[node] || conditional[node]);
+  }
 };
 
 // `order` is a topological order of the table's nodes (loop back edges aside).

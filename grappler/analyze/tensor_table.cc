@@ -46,6 +46,17 @@ int ForwardedInput(const NodeDef& node, int port) {
 
 namespace {
 
+// The op of tfmemopt's CPU swap-out (grappler/ops/swap_ops.h): its output is held
+// in host memory, outside the device allocator.
+constexpr char kSwappedOutOp[] = "TfMemSwapOut";
+
+// An Identity from one device to another (a swap on a GPU) is a copy: TF inserts a
+// transfer and the output is a new buffer on the node's own device.
+bool SameDeviceAsInput(const TensorTable& table, const NodeInfo& node, int port) {
+  const int producer = table.tensors[node.inputs[port]].node;
+  return table.nodes[producer].device == node.device;
+}
+
 bool ForwardsInputBuffer(const NodeDef& node) {
   return ForwardedInput(node, 0) >= 0;
 }
@@ -399,7 +410,7 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
       tensor.role = node.backward ? TensorRole::kGradient : TensorRole::kActivation;
       const int source = ForwardedInput(*node.def, tensor.port);
       if (source >= 0 && source < static_cast<int>(node.inputs.size()) &&
-          !StartsListInstance(*table, node)) {
+          !StartsListInstance(*table, node) && SameDeviceAsInput(*table, node, source)) {
         continue;  // bound below, once its input's buffer exists
       }
       BufferInfo buffer;
@@ -409,6 +420,8 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
         buffer.bytes = VariableBytes(*table, properties, t);
         buffer.persistent = true;
         tensor.role = TensorRole::kPersistent;
+      } else if (node.def->op() == kSwappedOutOp) {
+        buffer.host_bytes = tensor.bytes;  // the swap-out's stash lives in the host pool
       } else {
         buffer.bytes = tensor.bytes;
         buffer.persistent = IsPersistentProducer(*node.def);
@@ -429,7 +442,10 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
         const int port = StartsListInstance(*table, node)
                              ? -1
                              : ForwardedInput(*node.def, tensor.port);
-        if (tensor.buffer >= 0 || port < 0 || port >= static_cast<int>(node.inputs.size())) continue;
+        if (tensor.buffer >= 0 || port < 0 || port >= static_cast<int>(node.inputs.size()) ||
+            !SameDeviceAsInput(*table, node, port)) {
+          continue;
+        }
         const TensorInfo& source = table->tensors[node.inputs[port]];
         if (source.buffer < 0) continue;
         tensor.buffer = source.buffer;

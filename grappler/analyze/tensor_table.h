@@ -59,9 +59,12 @@ struct NodeInfo {
 
 struct BufferInfo {
   int owner = -1;  // tensor that allocated it
-  int64_t bytes = 0;
+  int64_t bytes = 0;  // device bytes
   bool persistent = false;
   std::string device;
+  // Bytes held in host memory outside the device's allocator instead (a swapped-out
+  // tensor); such a buffer has bytes == 0.
+  int64_t host_bytes = 0;
 };
 
 struct TensorTable {

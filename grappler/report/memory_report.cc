@@ -53,7 +53,9 @@ std::string TimelineJson(const std::vector<DeviceTimeline>& timeline) {
     out << (i ? "," : "") << "{\"device\":" << Quote(t.device)
         << ",\"persistent_bytes\":" << t.persistent_bytes
         << ",\"activation_bytes\":" << JsonList(t.activation_bytes)
-        << ",\"gradient_bytes\":" << JsonList(t.gradient_bytes) << "}";
+        << ",\"gradient_bytes\":" << JsonList(t.gradient_bytes);
+    if (!t.host_bytes.empty()) out << ",\"host_bytes\":" << JsonList(t.host_bytes);
+    out << "}";
   }
   out << "]";
   return out.str();
@@ -129,6 +131,12 @@ std::string MemoryReport::ToJson() const {
     first_reason = false;
   }
   out << "},\"hinted_but_not_recomputable\":" << QuotedList(recompute.hinted_but_not_recomputable)
+      << "},\"swap\":{\"planned\":" << (swap.planned ? "true" : "false")
+      << ",\"feasible\":" << (swap.feasible ? "true" : "false")
+      << ",\"tensors\":" << QuotedList(swap.tensors) << ",\"num_swap_out\":" << swap.num_swap_out
+      << ",\"num_swap_in\":" << swap.num_swap_in << ",\"bytes_to_host\":" << swap.bytes_to_host
+      << ",\"host_peak_bytes\":" << swap.host_peak_bytes
+      << ",\"copy_seconds\":" << absl::StrFormat("%.9g", swap.copy_seconds)
       << "},\"timeline\":" << TimelineJson(timeline)
       << ",\"timeline_before\":" << TimelineJson(timeline_before) << ",\"stage_seconds\":{";
   bool first = true;
@@ -158,20 +166,30 @@ std::string MemoryReport::Summary() const {
                                : " (no budget known)");
     peaks.push_back(peak);
   }
-  if (!recompute.nodes.empty()) {
-    absl::StrAppend(&line, ", recomputed ", recompute.nodes.size(), " ops");
-    if (recompute.step_seconds > 0) {
-      absl::StrAppend(&line, absl::StrFormat(" (+%.1f%% compute)",
-                                             100.0 * recompute.added_seconds /
-                                                 recompute.step_seconds));
+  const size_t added = recompute.nodes.size() + swap.num_swap_out + swap.num_swap_in;
+  if (added > 0) {
+    std::vector<std::string> parts;
+    if (!recompute.nodes.empty()) {
+      std::string part = absl::StrCat(recompute.nodes.size(), " recomputed");
+      if (recompute.step_seconds > 0) {
+        absl::StrAppend(&part, absl::StrFormat(" (+%.1f%% compute)",
+                                               100.0 * recompute.added_seconds /
+                                                   recompute.step_seconds));
+      }
+      parts.push_back(part);
     }
+    if (swap.num_swap_out > 0) {
+      parts.push_back(absl::StrCat(swap.num_swap_out, " swap-out, ", swap.num_swap_in,
+                                   " swap-in, ", FormatBytes(swap.bytes_to_host), " to host"));
+    }
+    absl::StrAppend(&line, ", added ", added, " ops (", absl::StrJoin(parts, ", "), ")");
   }
   absl::StrAppend(&line, ", predicted peak ", absl::StrJoin(peaks, ", "));
-  if (recompute.planned && !recompute.feasible) {
+  if ((recompute.planned || swap.planned) && !(recompute.feasible && swap.feasible)) {
     for (const DeviceReport& d : devices) {
       if (d.budget_bytes > 0 && d.peak_after_bytes > d.budget_bytes) {
         absl::StrAppend(&line, "; budget not met on ", d.device,
-                        ": the smallest peak recomputation reaches is ",
+                        ": the smallest peak reachable is ",
                         FormatBytes(d.peak_after_bytes));
       }
     }

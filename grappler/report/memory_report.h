@@ -55,6 +55,18 @@ struct RecomputeReport {
   std::vector<std::string> hinted_but_not_recomputable;
 };
 
+// What swapping did to a graph.
+struct SwapReport {
+  bool planned = false;  // the planner could swap
+  bool feasible = true;
+  std::vector<std::string> tensors;  // swapped tensors, in order
+  int num_swap_out = 0;
+  int num_swap_in = 0;
+  int64_t bytes_to_host = 0;
+  int64_t host_peak_bytes = 0;  // host bytes held at once, predicted
+  double copy_seconds = 0;      // predicted copy time, both directions
+};
+
 struct MemoryReport {
   std::string graph_id;
   std::string status = "ok";  // "ok" | "fallback"
@@ -69,6 +81,7 @@ struct MemoryReport {
   bool graph_changed = false;
   std::vector<DeviceReport> devices;
   RecomputeReport recompute;
+  SwapReport swap;
   // Timelines of the final graph and of the original one: per device, transient
   // bytes per step by role.
   std::vector<DeviceTimeline> timeline;

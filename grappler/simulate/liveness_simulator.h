@@ -36,6 +36,9 @@ struct DeviceTimeline {
   // Peak bytes in use as TF's BFC allocator would count them (whole chunks), for
   // a step run after a warm-up step; 0 when the device's allocator is not modelled.
   int64_t allocator_peak_bytes = 0;
+  // Host bytes held off the device by swapped-out tensors at each step (filled by
+  // the report, empty when nothing is swapped).
+  std::vector<int64_t> host_bytes;
 };
 
 struct SimulationOptions {

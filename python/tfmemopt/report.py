@@ -67,7 +67,8 @@ class Report:
     predicted_peak_bytes ({'before': {device: bytes}, 'after': {...}}),
     top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None),
     recompute (what recomputation did: policy, nodes, added_seconds, step_seconds,
-    feasible, checkpoints, left_alone, ...), stage_seconds, total_seconds.
+    feasible, checkpoints, left_alone, ...), swap (tensors, num_swap_out, num_swap_in,
+    bytes_to_host, host_peak_bytes, copy_seconds), stage_seconds, total_seconds.
     """
 
     def __init__(self, data):
@@ -100,6 +101,7 @@ class Report:
         ]
         self.top_tensors_at_peak = sorted(peak, key=lambda t: (-t.bytes, t.name))[:10]
         self.recompute = data.get("recompute", {})
+        self.swap = data.get("swap", {})
         self.stage_seconds = data["stage_seconds"]
         self.total_seconds = data["total_seconds"]
 
@@ -107,6 +109,11 @@ class Report:
     def recomputed_ops(self):
         """Names of the ops that are recomputed in the backward pass."""
         return list(self.recompute.get("nodes", []))
+
+    @property
+    def swapped_tensors(self):
+        """Names of the tensors that are swapped to host memory and back."""
+        return list(self.swap.get("tensors", []))
 
     @property
     def estimated_recompute_overhead(self):
@@ -151,6 +158,7 @@ class Report:
                 f" (e.g. {examples}); set assume_batch_size to resolve the batch dimension"
             )
         lines.extend(self._recompute_lines())
+        lines.extend(self._swap_lines())
         if self.top_tensors_at_peak:
             lines.append("  largest tensors live at the peak:")
             for t in self.top_tensors_at_peak:
@@ -180,6 +188,17 @@ class Report:
             lines.append("    hinted but not recomputable: "
                          + ", ".join(rc["hinted_but_not_recomputable"][:5]))
         return lines
+
+    def _swap_lines(self):
+        sw = self.swap
+        if not sw.get("tensors"):
+            return []
+        shown = ", ".join(sw["tensors"][:5]) + (", ..." if len(sw["tensors"]) > 5 else "")
+        return [f"  swap: {sw['num_swap_out']} swap-out and {sw['num_swap_in']} swap-in ops, "
+                f"{format_bytes(sw['bytes_to_host'])} to host (at most "
+                f"{format_bytes(sw['host_peak_bytes'])} at once), predicted copy time "
+                f"{sw['copy_seconds'] * 1000:.1f} ms",
+                f"    swapped: {shown}"]
 
     def figure(self, title=None):
         """The memory timeline as a matplotlib Figure: live bytes at each step of the

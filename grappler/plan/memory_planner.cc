@@ -1,0 +1,653 @@
+#include "grappler/plan/memory_planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/grappler/op_types.h"
+#include "tensorflow/core/platform/logging.h"
+
+namespace tfmemopt {
+namespace {
+
+using tensorflow::DataType;
+using tensorflow::NodeDef;
+
+// Bytes of a value whose contents are plain memory; the rest (handles, variants,
+// strings) cannot be cloned or copied by value safely.
+bool PlainType(DataType dtype) {
+  return dtype != tensorflow::DT_RESOURCE && dtype != tensorflow::DT_VARIANT &&
+         dtype != tensorflow::DT_STRING && dtype != tensorflow::DT_INVALID &&
+         !tensorflow::IsRefType(dtype);
+}
+
+// The types TfMemSwapOut/TfMemSwapIn take (grappler/ops/swap_ops.cc).
+bool SwappableType(DataType dtype) {
+  switch (dtype) {
+    case tensorflow::DT_BOOL: case tensorflow::DT_INT8: case tensorflow::DT_INT16:
+    case tensorflow::DT_INT32: case tensorflow::DT_INT64: case tensorflow::DT_UINT8:
+    case tensorflow::DT_UINT16: case tensorflow::DT_UINT32: case tensorflow::DT_UINT64:
+    case tensorflow::DT_HALF: case tensorflow::DT_BFLOAT16: case tensorflow::DT_FLOAT:
+    case tensorflow::DT_DOUBLE: case tensorflow::DT_COMPLEX64: case tensorflow::DT_COMPLEX128:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool MatchesAnyScope(const std::string& name, const std::vector<std::string>& scopes) {
+  for (const std::string& scope : scopes) {
+    if (InScope(name, scope)) return true;
+  }
+  return false;
+}
+
+bool MatchesAnyType(const std::string& op, const std::vector<std::string>& types) {
+  return std::find(types.begin(), types.end(), op) != types.end();
+}
+
+// Whether the user's include/exclude lists let the planner touch `def`; "" if so.
+std::string FilterReason(const NodeDef& def, const MemoryPlannerOptions& options) {
+  if (MatchesAnyScope(def.name(), options.exclude_scopes) ||
+      MatchesAnyType(def.op(), options.exclude_op_types)) {
+    return "excluded";
+  }
+  if ((!options.include_scopes.empty() && !MatchesAnyScope(def.name(), options.include_scopes)) ||
+      (!options.include_op_types.empty() && !MatchesAnyType(def.op(), options.include_op_types))) {
+    return "not_included";
+  }
+  return "";
+}
+
+// Why a forward node may not be recomputed, or "" if it may.
+std::string NotRecomputableReason(const TensorTable& table, const ControlFlowInfo& flow,
+                                  const MemoryPlannerOptions& options, int n) {
+  const NodeInfo& node = table.nodes[n];
+  const NodeDef& def = *node.def;
+  if (node.stateful) return "stateful";
+  if (flow.Under(n)) return "control_flow";
+  if (tensorflow::grappler::IsControlFlow(def) || def.op() == "_Arg" ||
+      def.op() == "Placeholder" || def.op() == "PlaceholderWithDefault" ||
+      tensorflow::grappler::IsConstant(def) || def.op() == "_Retval" ||
+      def.op() == "NoOp" || node.outputs.empty()) {
+    return "input_or_structural";
+  }
+  for (int t : node.inputs) {
+    if (!PlainType(table.tensors[t].dtype)) return "non_plain_dtype";
+  }
+  for (int t : node.outputs) {
+    const TensorInfo& tensor = table.tensors[t];
+    if (!PlainType(tensor.dtype)) return "non_plain_dtype";
+    if (!tensor.size_known) return "unknown_size";
+    if (table.buffers[tensor.buffer].persistent) return "persistent";
+  }
+  return FilterReason(def, options);
+}
+
+bool Swappable(const TensorTable& table, const ControlFlowInfo& flow,
+               const MemoryPlannerOptions& options, int tensor) {
+  const TensorInfo& t = table.tensors[tensor];
+  const NodeInfo& producer = table.nodes[t.node];
+  // A graph input's buffer belongs to the caller, who keeps it: swapping frees nothing.
+  const std::string& op = producer.def->op();
+  if (op == "_Arg" || op == "Placeholder" || op == "PlaceholderWithDefault") return false;
+  return !producer.backward && !flow.Under(t.node) && SwappableType(t.dtype) && t.size_known &&
+         !table.buffers[t.buffer].persistent && FilterReason(*producer.def, options).empty();
+}
+
+// Fraction of a swap's copy time the device cannot hide behind compute.
+double CopyExposure(const std::string& device) {
+  return absl::StartsWith(device, "GPU") ? 0.1 : 1.0;
+}
+
+int64_t Excess(const SimulationResult& simulation, const std::vector<int64_t>& budget,
+               int* worst_device) {
+  int64_t excess = INT64_MIN;
+  *worst_device = -1;
+  for (size_t d = 0; d < simulation.devices.size() && d < budget.size(); ++d) {
+    if (budget[d] <= 0) continue;
+    const int64_t over = PredictedPeak(simulation.devices[d]) - budget[d];
+    if (over > excess) {
+      excess = over;
+      *worst_device = static_cast<int>(d);
+    }
+  }
+  return *worst_device < 0 ? 0 : excess;
+}
+
+// How far a simulated plan is from fitting: the live bytes above the budget summed
+// over all steps, plus the peak's excess counted once per step. The sum keeps
+// guiding the search when several steps share the peak and a choice lowers only
+// some of them.
+double Overshoot(const SimulationResult& simulation, const std::vector<int64_t>& budget) {
+  double total = 0;
+  for (size_t d = 0; d < simulation.devices.size() && d < budget.size(); ++d) {
+    if (budget[d] <= 0) continue;
+    const DeviceTimeline& t = simulation.devices[d];
+    for (size_t s = 0; s < t.activation_bytes.size(); ++s) {
+      const int64_t live = t.persistent_bytes + t.activation_bytes[s] + t.gradient_bytes[s];
+      if (live > budget[d]) total += static_cast<double>(live - budget[d]);
+    }
+    const int64_t over = PredictedPeak(t) - budget[d];
+    if (over > 0) total += static_cast<double>(over) * t.activation_bytes.size();
+  }
+  return total;
+}
+
+struct Choice {
+  std::vector<int> recompute;  // base node indices
+  std::vector<int> swap;       // base tensor indices
+};
+
+// One planning state: a choice, applied and simulated.
+struct Evaluated {
+  Choice choice;
+  PlannedRewrite rewrite;
+  SimulationResult simulation;
+  int64_t excess = 0;
+  double overshoot = 0;
+  int worst_device = -1;
+  double seconds = 0;  // predicted added time
+};
+
+class Planner {
+ public:
+  Planner(const TensorTable& table, const std::vector<int>& order, const ControlFlowInfo& flow,
+          const MemoryPlannerOptions& options, MemoryPlan* plan)
+      : table_(table), order_(order), flow_(flow), options_(options), plan_(plan) {
+    const int n = static_cast<int>(table.nodes.size());
+    recomputable_.assign(n, false);
+    for (int i = 0; i < n; ++i) {
+      if (table.nodes[i].backward) continue;
+      const std::string reason = NotRecomputableReason(table, flow, options, i);
+      if (reason.empty()) {
+        recomputable_[i] = true;
+      } else if (reason != "input_or_structural") {
+        ++plan->left_alone[reason];
+      }
+    }
+    tensors_of_buffer_.resize(table.buffers.size());
+    for (size_t t = 0; t < table.tensors.size(); ++t) {
+      tensors_of_buffer_[table.tensors[t].buffer].push_back(static_cast<int>(t));
+    }
+  }
+
+  absl::Status Evaluate(Choice choice, Evaluated* out) {
+    for (std::vector<int>* v : {&choice.recompute, &choice.swap}) {
+      std::sort(v->begin(), v->end());
+      v->erase(std::unique(v->begin(), v->end()), v->end());
+    }
+    out->choice = std::move(choice);
+    absl::Status status = BuildRecomputeRewrite(table_, order_, flow_, out->choice.recompute,
+                                                &out->rewrite.recompute);
+    if (!status.ok()) return status;
+    status = BuildSwapRewrite(out->rewrite.recompute.table, out->rewrite.recompute.order, flow_,
+                              out->choice.swap, SwapOptionsFor(), &out->rewrite.swap);
+    if (!status.ok()) return status;
+    status = Simulate(out->rewrite.table(), out->rewrite.order(), options_.simulation,
+                      &out->simulation);
+    if (!status.ok()) return status;
+    ++plan_->simulations;
+    out->excess = Excess(out->simulation, options_.budget_bytes, &out->worst_device);
+    out->overshoot = Overshoot(out->simulation, options_.budget_bytes);
+    out->seconds = out->rewrite.recompute.added_seconds;
+    for (int t : out->rewrite.swap.swapped) out->seconds += SwapSeconds(t);
+    return absl::OkStatus();
+  }
+
+  // Greedy descent from `start`; recompute candidates only if `recompute`.
+  absl::Status Descend(Choice start, bool recompute, Evaluated* best);
+  absl::Status SqrtChoice(Choice* choice);
+  absl::Status ManualChoice(Choice* choice);
+
+ private:
+  enum class Kind { kRecompute, kSwap };
+  struct Candidate {
+    Kind kind = Kind::kRecompute;
+    std::vector<int> nodes;    // the closure to recompute, or the swapped tensor's producer
+    std::vector<int> tensors;  // swapped tensors
+    std::vector<int> anchors;  // producers of the live tensors a closure starts from
+    int64_t gain = 0;
+    double seconds = 0;
+    int owner = 0;  // tie-break
+  };
+  void Candidates(const Evaluated& state, bool recompute, std::vector<Candidate>* out) const;
+
+  SwapOptions SwapOptionsFor() const {
+    SwapOptions swap = options_.swap;
+    if (swap.bandwidth_bytes_per_sec <= 0) {
+      // One bandwidth per plan; a graph on a GPU copies at the GPU's.
+      bool gpu = false;
+      for (const std::string& device : table_.devices) gpu |= absl::StartsWith(device, "GPU");
+      swap.bandwidth_bytes_per_sec = DefaultHostBandwidth(gpu ? "GPU:0" : "CPU:0");
+    }
+    return swap;
+  }
+  double SwapSeconds(int tensor) const {
+    const TensorInfo& t = table_.tensors[tensor];
+    const std::string& device = table_.nodes[t.node].device;
+    return 2.0 * static_cast<double>(t.bytes) / SwapOptionsFor().bandwidth_bytes_per_sec *
+           CopyExposure(device);
+  }
+
+  const TensorTable& table_;
+  const std::vector<int>& order_;
+  const ControlFlowInfo& flow_;
+  const MemoryPlannerOptions& options_;
+  MemoryPlan* plan_;
+  std::vector<bool> recomputable_;
+  std::vector<std::vector<int>> tensors_of_buffer_;
+};
+
+void Planner::Candidates(const Evaluated& state, bool recompute,
+                         std::vector<Candidate>* out) const {
+  out->clear();
+  if (state.worst_device < 0) return;
+  const DeviceTimeline& timeline = state.simulation.devices[state.worst_device];
+  const int peak_step = timeline.peak_step;
+  if (peak_step < 0) return;
+  const TensorTable& now = state.rewrite.table();
+  std::vector<int> position(now.nodes.size(), -1);
+  for (size_t s = 0; s < state.rewrite.order().size(); ++s) {
+    position[state.rewrite.order()[s]] = static_cast<int>(s);
+  }
+  std::vector<bool> live(now.buffers.size(), false);
+  for (int b : timeline.live_at_peak) live[b] = true;
+  std::vector<bool> chosen(table_.nodes.size(), false);
+  for (int r : state.choice.recompute) chosen[r] = true;
+  std::vector<bool> swapped(table_.tensors.size(), false);
+  for (int t : state.choice.swap) swapped[t] = true;
+  const bool can_swap =
+      options_.enable_swap && (options_.max_swapped_tensors <= 0 ||
+                               static_cast<int64_t>(state.choice.swap.size()) <
+                                   options_.max_swapped_tensors);
+  const int base_nodes = static_cast<int>(table_.nodes.size());
+  const int base_buffers = static_cast<int>(table_.buffers.size());
+
+  std::vector<bool> in_closure(table_.nodes.size(), false);
+  for (int b : timeline.live_at_peak) {
+    if (b >= base_buffers || table_.buffers[b].persistent) continue;
+    const int owner_node = table_.tensors[table_.buffers[b].owner].node;
+    if (chosen[owner_node] || table_.nodes[owner_node].backward ||
+        table_.buffers[b].bytes < options_.min_tensor_bytes || position[owner_node] >= peak_step) {
+      continue;
+    }
+    // Held at the peak only for backward readers (or clones) that run later?
+    bool held_for_backward = false, needed_anyway = false, already_swapped = false;
+    std::vector<int> producers = {owner_node};
+    std::vector<int> late_tensors;
+    for (int t : tensors_of_buffer_[b]) {
+      already_swapped = already_swapped || swapped[t];
+      bool late_reader = false;
+      for (int c : now.tensors[t].consumers) {
+        if (position[c] < peak_step) continue;
+        if (c < base_nodes ? ReadsRecomputedValues(table_, flow_, c)
+                           : now.nodes[c].backward && !absl::StartsWith(now.nodes[c].def->name(),
+                                                                         kSwapOutScope)) {
+          late_reader = true;
+        } else {
+          needed_anyway = true;
+        }
+      }
+      if (late_reader) {
+        held_for_backward = true;
+        late_tensors.push_back(t);
+        const int producer = table_.tensors[t].node;
+        if (producer != owner_node) producers.push_back(producer);
+      }
+    }
+    for (int t : table_.fetch_tensors) {
+      if (table_.tensors[t].buffer == b) needed_anyway = true;
+    }
+    if (!held_for_backward || needed_anyway || already_swapped) continue;
+
+    if (can_swap) {
+      bool ok = true;
+      for (int t : late_tensors) ok = ok && Swappable(table_, flow_, options_, t);
+      if (ok) {
+        Candidate swap;
+        swap.kind = Kind::kSwap;
+        swap.owner = owner_node;
+        swap.nodes = {owner_node};
+        swap.tensors = late_tensors;
+        swap.gain = table_.buffers[b].bytes;
+        for (int t : late_tensors) swap.seconds += SwapSeconds(t);
+        swap.seconds += 1e-7;
+        out->push_back(std::move(swap));
+      }
+    }
+
+    if (!recompute || !options_.enable_recompute) continue;
+    bool ok = true;
+    for (int p : producers) ok = ok && recomputable_[p] && !chosen[p];
+    if (!ok) continue;
+    Candidate candidate;
+    candidate.owner = owner_node;
+    candidate.gain = table_.buffers[b].bytes;
+    std::vector<int> work = producers;
+    for (int p : producers) in_closure[p] = true;
+    std::set<int> kept_alive;
+    for (size_t i = 0; i < work.size(); ++i) {
+      for (int u : table_.nodes[work[i]].inputs) {
+        const int p = table_.tensors[u].node;
+        if (in_closure[p] || chosen[p]) continue;
+        const int ub = table_.tensors[u].buffer;
+        if (table_.buffers[ub].persistent) continue;
+        if (live[ub]) {
+          candidate.anchors.push_back(p);
+          continue;
+        }
+        if (recomputable_[p] && table_.tensors[u].bytes >= options_.min_tensor_bytes &&
+            work.size() < 64) {
+          in_closure[p] = true;
+          work.push_back(p);
+        } else if (kept_alive.insert(ub).second) {
+          candidate.gain -= table_.buffers[ub].bytes;
+        }
+      }
+    }
+    for (int p : work) in_closure[p] = false;
+    if (candidate.gain <= 0) continue;
+    for (int p : work) candidate.seconds += table_.nodes[p].compute_seconds + 1e-7;
+    candidate.nodes = std::move(work);
+    out->push_back(std::move(candidate));
+  }
+  std::sort(out->begin(), out->end(), [](const Candidate& a, const Candidate& b) {
+    const double sa = a.gain / a.seconds, sb = b.gain / b.seconds;
+    if (sa != sb) return sa > sb;
+    if (a.owner != b.owner) return a.owner < b.owner;
+    return a.kind < b.kind;
+  });
+}
+
+absl::Status Planner::Descend(Choice start, bool recompute, Evaluated* best) {
+  Evaluated state;
+  absl::Status status = Evaluate(std::move(start), &state);
+  if (!status.ok()) return status;
+  // Accepted candidates, in order, to drop again if the budget turns out not to
+  // need them.
+  struct Group {
+    Kind kind;
+    std::vector<int> items;
+    double seconds;
+  };
+  std::vector<Group> groups;
+  std::vector<Candidate> candidates;
+  auto improves = [](const Evaluated& next, const Evaluated& now) {
+    return next.excess < now.excess ||
+           (next.excess == now.excess && next.overshoot < now.overshoot);
+  };
+  auto with = [](const Choice& base, const Candidate& c) {
+    Choice next = base;
+    std::vector<int>& into = c.kind == Kind::kSwap ? next.swap : next.recompute;
+    const std::vector<int>& items = c.kind == Kind::kSwap ? c.tensors : c.nodes;
+    into.insert(into.end(), items.begin(), items.end());
+    return next;
+  };
+  auto group_of = [](const Candidate& c) {
+    return Group{c.kind, c.kind == Kind::kSwap ? c.tensors : c.nodes, c.seconds};
+  };
+  while (state.excess > 0 && plan_->simulations < options_.max_simulations) {
+    Candidates(state, recompute, &candidates);
+    VLOG(2) << "TfMemOpt plan: " << state.choice.recompute.size() << " recomputed, "
+            << state.choice.swap.size() << " swapped, excess " << state.excess
+            << ", overshoot " << state.overshoot << ", " << candidates.size() << " candidates";
+    if (candidates.empty()) break;
+    // First several at once: the best until their estimated savings cover the
+    // excess. Each estimate assumes its anchors stay, so a batch never drops
+    // another member's anchor.
+    std::vector<bool> taken(table_.nodes.size(), false), anchored(table_.nodes.size(), false);
+    Choice next_choice = state.choice;
+    std::vector<int> batch;
+    int64_t saved = 0;
+    int64_t swaps_left = options_.max_swapped_tensors > 0
+                             ? options_.max_swapped_tensors -
+                                   static_cast<int64_t>(state.choice.swap.size())
+                             : INT64_MAX;
+    for (size_t i = 0; i < candidates.size() && batch.size() < 8; ++i) {
+      const Candidate& c = candidates[i];
+      if (c.kind == Kind::kSwap) {
+        if (static_cast<int64_t>(c.tensors.size()) > swaps_left) continue;
+        swaps_left -= static_cast<int64_t>(c.tensors.size());
+      }
+      bool conflicts = false;
+      for (int p : c.nodes) conflicts = conflicts || taken[p] || anchored[p];
+      for (int p : c.anchors) conflicts = conflicts || taken[p];
+      if (conflicts) continue;
+      for (int p : c.nodes) taken[p] = true;
+      for (int p : c.anchors) anchored[p] = true;
+      next_choice = with(next_choice, c);
+      batch.push_back(static_cast<int>(i));
+      saved += c.gain;
+      if (saved >= state.excess) break;
+    }
+    if (batch.size() > 1) {
+      Evaluated next;
+      status = Evaluate(std::move(next_choice), &next);
+      if (!status.ok()) return status;
+      if (improves(next, state)) {
+        for (int i : batch) groups.push_back(group_of(candidates[i]));
+        state = std::move(next);
+        continue;
+      }
+    }
+    // Then one at a time: simulate the leading candidates alone and keep the one
+    // that lowers the overshoot most per second added.
+    int chosen = -1;
+    double chosen_score = 0;
+    Evaluated chosen_state;
+    const double steps = static_cast<double>(
+        state.simulation.devices[state.worst_device].activation_bytes.size());
+    for (size_t i = 0; i < candidates.size() && i < 6 &&
+                       plan_->simulations < options_.max_simulations;
+         ++i) {
+      if (candidates[i].kind == Kind::kSwap && options_.max_swapped_tensors > 0 &&
+          static_cast<int64_t>(state.choice.swap.size() + candidates[i].tensors.size()) >
+              options_.max_swapped_tensors) {
+        continue;
+      }
+      Evaluated trial;
+      status = Evaluate(with(state.choice, candidates[i]), &trial);
+      if (!status.ok()) return status;
+      VLOG(2) << "  trial " << (candidates[i].kind == Kind::kSwap ? "swap " : "recompute ")
+              << table_.nodes[candidates[i].owner].def->name() << " gain " << candidates[i].gain
+              << " seconds " << candidates[i].seconds << ": excess " << trial.excess
+              << ", overshoot " << trial.overshoot;
+      if (!improves(trial, state)) continue;
+      const double lowered = static_cast<double>(state.excess - trial.excess) * steps +
+                             (state.overshoot - trial.overshoot);
+      const double score = lowered / candidates[i].seconds;
+      if (chosen < 0 || score > chosen_score) {
+        chosen = static_cast<int>(i);
+        chosen_score = score;
+        chosen_state = std::move(trial);
+      }
+    }
+    if (chosen < 0) break;  // a local minimum: nothing lowers the peak any more
+    groups.push_back(group_of(candidates[chosen]));
+    state = std::move(chosen_state);
+  }
+
+  // Drop choices the budget does not need, most expensive first.
+  if (state.excess <= 0 && !groups.empty()) {
+    std::vector<int> by_cost(groups.size());
+    for (size_t g = 0; g < groups.size(); ++g) by_cost[g] = static_cast<int>(g);
+    std::stable_sort(by_cost.begin(), by_cost.end(),
+                     [&](int a, int b) { return groups[a].seconds > groups[b].seconds; });
+    std::vector<bool> dropped(groups.size(), false);
+    const int limit = plan_->simulations + std::min<int>(64, groups.size());
+    for (int g : by_cost) {
+      if (plan_->simulations >= limit) break;
+      dropped[g] = true;
+      Choice trial_choice;
+      // Choices made before the descent (SQRT, MANUAL) stay.
+      for (int r : state.choice.recompute) {
+        bool grouped = false;
+        for (const Group& group : groups) {
+          grouped = grouped || (group.kind == Kind::kRecompute &&
+                                std::find(group.items.begin(), group.items.end(), r) !=
+                                    group.items.end());
+        }
+        if (!grouped) trial_choice.recompute.push_back(r);
+      }
+      for (size_t h = 0; h < groups.size(); ++h) {
+        if (dropped[h]) continue;
+        std::vector<int>& into =
+            groups[h].kind == Kind::kSwap ? trial_choice.swap : trial_choice.recompute;
+        into.insert(into.end(), groups[h].items.begin(), groups[h].items.end());
+      }
+      Evaluated trial;
+      status = Evaluate(std::move(trial_choice), &trial);
+      if (!status.ok()) return status;
+      if (trial.excess <= 0 && trial.seconds <= state.seconds) {
+        state = std::move(trial);
+      } else {
+        dropped[g] = false;
+      }
+    }
+  }
+  *best = std::move(state);
+  return absl::OkStatus();
+}
+
+absl::Status Planner::SqrtChoice(Choice* choice) {
+  // Forward tensors big enough to matter, with the span of their forward readers.
+  const int n = static_cast<int>(table_.nodes.size());
+  std::vector<int> forward_order;
+  for (int node : order_) {
+    if (!table_.nodes[node].backward) forward_order.push_back(node);
+  }
+  const int f = static_cast<int>(forward_order.size());
+  std::vector<int> rank(n, -1);
+  for (int i = 0; i < f; ++i) rank[forward_order[i]] = i;
+  // open_count[i]: big tensors produced at rank <= i and read at rank > i; their
+  // index sum identifies the tensor when exactly one is open.
+  std::vector<int64_t> open_count(f + 1, 0), open_sum(f + 1, 0);
+  for (size_t t = 0; t < table_.tensors.size(); ++t) {
+    const TensorInfo& tensor = table_.tensors[t];
+    const int p = rank[tensor.node];
+    if (p < 0 || table_.buffers[tensor.buffer].persistent ||
+        tensor.bytes < options_.min_tensor_bytes) {
+      continue;
+    }
+    int last = -1;
+    for (int c : tensor.consumers) last = std::max(last, rank[c]);
+    if (last <= p) continue;
+    open_count[p] += 1;
+    open_count[last] -= 1;
+    open_sum[p] += static_cast<int64_t>(t);
+    open_sum[last] -= static_cast<int64_t>(t);
+  }
+  std::vector<int> bottlenecks;
+  int64_t count = 0, sum = 0;
+  for (int i = 0; i < f; ++i) {
+    count += open_count[i];
+    sum += open_sum[i];
+    if (count != 1) continue;
+    const int t = static_cast<int>(sum);
+    if (table_.tensors[t].node == forward_order[i]) bottlenecks.push_back(forward_order[i]);
+  }
+  std::vector<bool> checkpoint(n, false);
+  if (!bottlenecks.empty()) {
+    const size_t step = static_cast<size_t>(
+        std::ceil(std::sqrt(static_cast<double>(bottlenecks.size()))));
+    for (size_t i = step - 1; i < bottlenecks.size(); i += step) {
+      checkpoint[bottlenecks[i]] = true;
+      plan_->checkpoints.push_back(bottlenecks[i]);
+    }
+  }
+  for (int node : forward_order) {
+    if (!recomputable_[node] || checkpoint[node]) continue;
+    bool big = false;
+    for (int t : table_.nodes[node].outputs) {
+      big = big || table_.tensors[t].bytes >= options_.min_tensor_bytes;
+    }
+    if (big) choice->recompute.push_back(node);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Planner::ManualChoice(Choice* choice) {
+  for (size_t i = 0; i < table_.nodes.size(); ++i) {
+    const NodeDef& def = *table_.nodes[i].def;
+    const bool hinted = def.attr().count("_recompute_hint") > 0 ||
+                        def.attr().count("_tfmemopt_recompute") > 0 ||
+                        MatchesAnyScope(def.name(), options_.hint_scopes);
+    if (!hinted) continue;
+    if (table_.nodes[i].backward) {
+      plan_->hinted_but_not_recomputable.push_back(absl::StrCat(def.name(), " (backward)"));
+      continue;
+    }
+    const std::string reason =
+        NotRecomputableReason(table_, flow_, options_, static_cast<int>(i));
+    if (!reason.empty()) {
+      plan_->hinted_but_not_recomputable.push_back(absl::StrCat(def.name(), " (", reason, ")"));
+      continue;
+    }
+    choice->recompute.push_back(static_cast<int>(i));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool InScope(const std::string& name, const std::string& scope) {
+  if (scope.empty()) return false;
+  const std::string trimmed = scope.back() == '/' ? scope.substr(0, scope.size() - 1) : scope;
+  return name == trimmed || absl::StartsWith(name, absl::StrCat(trimmed, "/"));
+}
+
+int64_t PredictedPeak(const DeviceTimeline& timeline) {
+  return std::max(timeline.allocator_peak_bytes, timeline.peak_bytes);
+}
+
+double DefaultHostBandwidth(const std::string& device) {
+  // CPU test bed: TfMemSwapOut/In at 128 MiB, median of warm runs, the slower
+  // direction (python benchmarks/host_bandwidth.py). GPUs: an assumed effective
+  // PCIe 3.0 x16 rate; set host_bandwidth_bytes_per_sec for your machine.
+  return absl::StartsWith(device, "GPU") ? 12e9 : 3.65e9;
+}
+
+absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
+                        const ControlFlowInfo& flow, const MemoryPlannerOptions& options,
+                        MemoryPlan* plan, PlannedRewrite* rewrite, SimulationResult* simulation) {
+  *plan = MemoryPlan();
+  Planner planner(table, order, flow, options, plan);
+  Choice start;
+  absl::Status status;
+  if (options.enable_recompute && options.policy == RecomputePolicy::kSqrt) {
+    status = planner.SqrtChoice(&start);
+  } else if (options.enable_recompute && options.policy == RecomputePolicy::kManual) {
+    status = planner.ManualChoice(&start);
+  }
+  if (!status.ok()) return status;
+  Evaluated best;
+  const bool auto_recompute = options.enable_recompute && options.policy == RecomputePolicy::kAuto;
+  if (auto_recompute || options.enable_swap) {
+    status = planner.Descend(std::move(start), auto_recompute, &best);
+  } else {
+    status = planner.Evaluate(std::move(start), &best);
+  }
+  if (!status.ok()) return status;
+  plan->recompute_nodes = best.rewrite.recompute.cloned;
+  plan->swap_tensors = best.rewrite.swap.swapped;
+  plan->feasible = best.excess <= 0;
+  plan->added_seconds = best.seconds;
+  for (const DeviceTimeline& timeline : best.simulation.devices) {
+    plan->peak_bytes.push_back(PredictedPeak(timeline));
+  }
+  *rewrite = std::move(best.rewrite);
+  *simulation = std::move(best.simulation);
+  return absl::OkStatus();
+}
+
+absl::Status ApplyPlannedRewrite(const PlannedRewrite& rewrite, tensorflow::GraphDef* graph) {
+  absl::Status status = ApplyRecomputeRewrite(rewrite.recompute, graph);
+  if (!status.ok()) return status;
+  return ApplySwapRewrite(rewrite.swap, graph);
+}
+
+}  // namespace tfmemopt

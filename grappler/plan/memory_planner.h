@@ -1,0 +1,120 @@
+// Plan: for every forward tensor the backward pass reads, keep it, recompute it or
+// swap it to host memory, so that the simulated peak fits the budget at the lowest
+// predicted added time.
+//
+// Costs: a recompute costs the OpLevelCostEstimator time of the ops it clones; a
+// swap costs its two copies (bytes / bandwidth), scaled by how much of a copy the
+// device cannot hide behind compute (all of it on a CPU, whose cores do the copy;
+// a tenth on a GPU, whose copy engines run beside the kernels).
+//
+// Recompute policies:
+//  * AUTO: budget-driven. At the simulated peak, every forward buffer that only
+//    waits for the backward pass is a candidate, to drop and recompute (its
+//    producer plus whatever inputs would otherwise have to be kept alive: the
+//    closure, back to tensors that are live anyway, its anchors) or to swap.
+//    Candidates are taken by bytes saved per second added; the plan is simulated
+//    again after each step, until the peak fits or nothing lowers it any more (then
+//    the lowest peak found is reported as the minimum). Choices the budget turns
+//    out not to need are dropped again at the end, most expensive first.
+//  * SQRT: OpenAI's checkpoints='memory'. The articulation points of the forward
+//    graph (tensors that alone connect its earlier part to its later part) are the
+//    candidate checkpoints; every ceil(sqrt(n))-th is kept and every other forward
+//    node is recomputed, so a chain of n layers keeps about sqrt(n).
+//  * MANUAL: exactly the hinted nodes (name scopes in the config, TF's
+//    `_recompute_hint` attribute, tfmemopt.recompute_scope()'s `_tfmemopt_recompute`).
+// Under SQRT and MANUAL, swapping (if enabled) then takes over what is still over
+// the budget.
+//
+// Never recomputed: stateful nodes (random ops, variable reads and updates, I/O),
+// nodes under control flow (loops, cond branches), graph inputs, constants and
+// variables, nodes that read or produce resources, variants or strings. Never
+// swapped: tensors produced under control flow or by the backward pass, and
+// tensors of non-plain types.
+#ifndef TFMEMOPT_GRAPPLER_PLAN_MEMORY_PLANNER_H_
+#define TFMEMOPT_GRAPPLER_PLAN_MEMORY_PLANNER_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "grappler/analyze/control_flow.h"
+#include "grappler/analyze/tensor_table.h"
+#include "grappler/memory_optimizer_options.h"
+#include "grappler/rewrite/lms_swap_optimizer.h"
+#include "grappler/rewrite/recompute_pass.h"
+#include "grappler/simulate/liveness_simulator.h"
+#include "tensorflow/core/framework/graph.pb.h"
+
+namespace tfmemopt {
+
+struct MemoryPlannerOptions {
+  RecomputePolicy policy = RecomputePolicy::kAuto;
+  bool enable_recompute = true;
+  bool enable_swap = true;
+  // Per device of the table (TensorTable::devices order); 0: no budget there.
+  std::vector<int64_t> budget_bytes;
+  // Smaller tensors are kept (MANUAL recompute hints override this).
+  int64_t min_tensor_bytes = 1 << 20;
+  std::vector<std::string> exclude_scopes, include_scopes;
+  std::vector<std::string> exclude_op_types, include_op_types;
+  // MANUAL: name scopes whose nodes are recomputed.
+  std::vector<std::string> hint_scopes;
+  // At most this many tensors are swapped (TFLMS n_tensors); 0: no limit.
+  int64_t max_swapped_tensors = 0;
+  // Bandwidth and swap-in timing; bandwidth 0 picks the default for the device.
+  SwapOptions swap;
+  SimulationOptions simulation;
+  // Upper bound on simulations of candidate plans (planning effort).
+  int max_simulations = 400;
+};
+
+struct MemoryPlan {
+  std::vector<int> recompute_nodes;  // base node indices that got a clone
+  std::vector<int> swap_tensors;     // base tensor indices that are swapped
+  // Per device, the simulated peak of the chosen plan (see PredictedPeak); when the
+  // budget cannot be met, the lowest peak found.
+  std::vector<int64_t> peak_bytes;
+  bool feasible = true;
+  int simulations = 0;
+  double added_seconds = 0;  // recompute compute + the copy time not hidden
+  std::vector<int> checkpoints;  // SQRT: nodes whose output is kept as a checkpoint
+  // Forward nodes never recomputed, by reason ("stateful", "control_flow", ...).
+  std::map<std::string, int> left_alone;
+  std::vector<std::string> hinted_but_not_recomputable;  // MANUAL: names, with reason
+};
+
+// A plan applied: recomputation first, swapping on top of it.
+struct PlannedRewrite {
+  RecomputeRewrite recompute;
+  SwapRewrite swap;
+  const TensorTable& table() const { return swap.table; }
+  const std::vector<int>& order() const { return swap.order; }
+};
+
+// Peak of a device as the report states it: the allocator's where modelled (it
+// counts whole chunks), never less than the live bytes (past its memory limit the
+// allocator model refuses allocations and its own peak stops growing).
+int64_t PredictedPeak(const DeviceTimeline& timeline);
+
+// The copy bandwidth used for a device ("CPU:0", "GPU:0") when the config gives none:
+// measured on the CPU test bed (benchmarks/host_bandwidth.py), assumed for GPUs.
+double DefaultHostBandwidth(const std::string& device);
+
+// Plans for the table, simulated along `order`. On success `rewrite` and
+// `simulation` hold the chosen plan applied and simulated (an empty plan if nothing
+// is changed).
+absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
+                        const ControlFlowInfo& flow, const MemoryPlannerOptions& options,
+                        MemoryPlan* plan, PlannedRewrite* rewrite, SimulationResult* simulation);
+
+// Applies a planned rewrite to `graph`, the GraphDef the table was built from.
+absl::Status ApplyPlannedRewrite(const PlannedRewrite& rewrite, tensorflow::GraphDef* graph);
+
+// True if `name` is in `scope` (equal to it, or under it: "scope/...").
+bool InScope(const std::string& name, const std::string& scope);
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_PLAN_MEMORY_PLANNER_H_

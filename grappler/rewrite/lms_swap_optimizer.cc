@@ -1,0 +1,293 @@
+#include "grappler/rewrite/lms_swap_optimizer.h"
+
+#include <algorithm>
+#include <climits>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "grappler/ops/swap_ops.h"
+#include "grappler/rewrite/recompute_pass.h"
+#include "tensorflow/core/framework/attr_value.pb.h"
+#include "tensorflow/core/grappler/utils.h"
+#include "tensorflow/core/util/device_name_utils.h"
+
+namespace tfmemopt {
+namespace {
+
+using tensorflow::NodeDef;
+
+std::string TensorRef(const std::string& node, int port) {
+  return port == 0 ? node : absl::StrCat(node, ":", port);
+}
+
+bool OnGpu(const std::string& device) {
+  tensorflow::DeviceNameUtils::ParsedName parsed;
+  return tensorflow::DeviceNameUtils::ParseFullName(device, &parsed) && parsed.has_type &&
+         parsed.type == "GPU";
+}
+
+// The host CPU of the machine that holds `device`.
+std::string HostOf(const std::string& device) {
+  tensorflow::DeviceNameUtils::ParsedName parsed;
+  if (!tensorflow::DeviceNameUtils::ParseFullName(device, &parsed)) return "/device:CPU:0";
+  parsed.type = "CPU";
+  parsed.has_type = true;
+  parsed.id = 0;
+  parsed.has_id = true;
+  return tensorflow::DeviceNameUtils::ParsedNameToString(parsed);
+}
+
+NodeDef SwapNode(const std::string& name, const std::string& input, bool gpu, bool swap_out,
+                 tensorflow::DataType dtype, const std::string& device) {
+  NodeDef node;
+  node.set_name(name);
+  node.add_input(input);
+  (*node.mutable_attr())["T"].set_type(dtype);
+  if (gpu) {
+    // TFLMS: an Identity on the host, then one on the GPU; TF inserts the copies.
+    node.set_op("Identity");
+    node.set_device(swap_out ? HostOf(device) : device);
+    (*node.mutable_attr())["_grappler_do_not_remove"].set_b(true);
+  } else {
+    node.set_op(swap_out ? kSwapOutOpName : kSwapInOpName);
+    node.set_device(device);
+  }
+  return node;
+}
+
+}  // namespace
+
+std::vector<int> LateReaders(const TensorTable& table, const ControlFlowInfo& flow, int tensor) {
+  std::vector<int> readers;
+  for (int c : table.tensors[tensor].consumers) {
+    if (std::find(readers.begin(), readers.end(), c) != readers.end()) continue;
+    if (ReadsRecomputedValues(table, flow, c)) readers.push_back(c);
+  }
+  return readers;
+}
+
+absl::Status BuildSwapRewrite(const TensorTable& input, const std::vector<int>& order,
+                              const ControlFlowInfo& flow, const std::vector<int>& tensors,
+                              const SwapOptions& options, SwapRewrite* rewrite) {
+  const int n = static_cast<int>(input.nodes.size());
+  if (static_cast<int>(order.size()) != n) {
+    return absl::InvalidArgumentError("swap: the order does not cover the graph");
+  }
+  if (options.bandwidth_bytes_per_sec <= 0) {
+    return absl::InvalidArgumentError("swap: the copy bandwidth must be positive");
+  }
+  std::vector<int> position(n, -1);
+  for (int s = 0; s < n; ++s) position[order[s]] = s;
+
+  rewrite->table = input;
+  rewrite->new_defs.clear();
+  rewrite->rewires.clear();
+  rewrite->swapped.clear();
+  rewrite->num_swap_out = rewrite->num_swap_in = 0;
+  rewrite->bytes_to_host = 0;
+  rewrite->copy_seconds = 0;
+  TensorTable& table = rewrite->table;
+  std::vector<std::vector<int>> after(n);  // new nodes to run right after each node
+
+  std::vector<int> sorted = tensors;
+  std::sort(sorted.begin(), sorted.end(), [&](int a, int b) {
+    const int pa = position[input.tensors[a].node], pb = position[input.tensors[b].node];
+    return pa != pb ? pa < pb : a < b;
+  });
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+
+  for (int t : sorted) {
+    if (t < 0 || t >= static_cast<int>(input.tensors.size())) {
+      return absl::InvalidArgumentError("swap: bad tensor index");
+    }
+    const TensorInfo& tensor = input.tensors[t];
+    const NodeInfo& producer = input.nodes[tensor.node];
+    if (producer.backward || flow.Under(tensor.node)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "swap: ", input.TensorName(t), " is not a forward tensor outside control flow"));
+    }
+    std::vector<int> readers = LateReaders(input, flow, t);
+    if (readers.empty()) continue;
+    std::sort(readers.begin(), readers.end(),
+              [&](int a, int b) { return position[a] < position[b]; });
+    const bool gpu = OnGpu(producer.def->device());
+    const double copy = static_cast<double>(tensor.bytes) / options.bandwidth_bytes_per_sec;
+
+    // When each swap-in starts: walk back from its first reader along the latest
+    // backward inputs until the ops passed cover the copy.
+    std::vector<std::vector<int>> groups;
+    if (options.fuse_swapins) {
+      groups.push_back(readers);
+    } else {
+      for (int r : readers) groups.push_back({r});
+    }
+    std::vector<int> triggers;
+    for (const std::vector<int>& group : groups) {
+      int x = group.front(), ops = 0;
+      double seconds = 0;
+      while (true) {
+        if (options.lag_ops > 0 && ops >= options.lag_ops) break;
+        if (seconds >= copy && ops >= std::max(1, options.lead_ops)) break;
+        const int previous = LatestBackwardInput(input, flow, x, &position);
+        if (previous < 0) break;
+        x = previous;
+        ++ops;
+        seconds += input.nodes[x].compute_seconds;
+      }
+      triggers.push_back(ops > 0 ? x : -1);
+    }
+    if (std::find(triggers.begin(), triggers.end(), -1) != triggers.end()) continue;
+
+    const std::string base = absl::StrReplaceAll(input.TensorName(t), {{":", "_"}});
+    const std::string& device = producer.def->device();
+    // Swap-out.
+    rewrite->new_defs.push_back(SwapNode(absl::StrCat(kSwapOutScope, base),
+                                         TensorRef(producer.def->name(), tensor.port), gpu,
+                                         /*swap_out=*/true, tensor.dtype, device));
+    const int out_node = static_cast<int>(table.nodes.size());
+    {
+      NodeInfo info;
+      info.def = &rewrite->new_defs.back();
+      info.device = ShortDeviceName(info.def->device());
+      info.stateful = !gpu;
+      info.compute_seconds = copy;
+      info.inputs = {t};
+      const int out_tensor = static_cast<int>(table.tensors.size());
+      info.outputs = {out_tensor};
+      TensorInfo stash = tensor;
+      stash.node = out_node;
+      stash.port = 0;
+      stash.consumers.clear();
+      stash.role = TensorRole::kActivation;
+      BufferInfo buffer;
+      buffer.owner = out_tensor;
+      buffer.device = info.device;
+      if (gpu && std::binary_search(table.devices.begin(), table.devices.end(), info.device)) {
+        buffer.bytes = tensor.bytes;  // on the host CPU device
+      } else {
+        buffer.host_bytes = tensor.bytes;  // in the host pool, off the allocator
+      }
+      stash.buffer = static_cast<int>(table.buffers.size());
+      table.buffers.push_back(buffer);
+      table.tensors.push_back(std::move(stash));
+      table.tensors[t].consumers.push_back(out_node);
+      table.node_index[info.def->name()] = out_node;
+      table.nodes.push_back(std::move(info));
+      after[tensor.node].push_back(out_node);
+    }
+    const int stash_tensor = table.nodes[out_node].outputs[0];
+    ++rewrite->num_swap_out;
+
+    // Swap-ins.
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const std::string name =
+          groups.size() == 1
+              ? absl::StrCat(kSwapInScope, base)
+              : absl::StrCat(kSwapInScope, base, "/", input.nodes[groups[g].front()].def->name());
+      NodeDef in = SwapNode(name, table.nodes[out_node].def->name(), gpu, /*swap_out=*/false,
+                            tensor.dtype, device);
+      in.add_input(absl::StrCat("^", input.nodes[triggers[g]].def->name()));
+      rewrite->new_defs.push_back(std::move(in));
+      const int in_node = static_cast<int>(table.nodes.size());
+      NodeInfo info;
+      info.def = &rewrite->new_defs.back();
+      info.device = producer.device;
+      info.stateful = !gpu;
+      info.backward = true;
+      info.compute_seconds = copy;
+      info.inputs = {stash_tensor};
+      const int in_tensor = static_cast<int>(table.tensors.size());
+      info.outputs = {in_tensor};
+      TensorInfo copy_back = tensor;
+      copy_back.node = in_node;
+      copy_back.port = 0;
+      copy_back.consumers.clear();
+      copy_back.role = TensorRole::kActivation;
+      BufferInfo buffer;
+      buffer.owner = in_tensor;
+      buffer.bytes = tensor.bytes;
+      buffer.device = producer.device;
+      copy_back.buffer = static_cast<int>(table.buffers.size());
+      table.buffers.push_back(buffer);
+      table.tensors.push_back(std::move(copy_back));
+      table.tensors[stash_tensor].consumers.push_back(in_node);
+      table.node_index[info.def->name()] = in_node;
+      table.nodes.push_back(std::move(info));
+      after[triggers[g]].push_back(in_node);
+      ++rewrite->num_swap_in;
+      rewrite->copy_seconds += copy;
+
+      for (int reader : groups[g]) {
+        for (size_t slot = 0; slot < input.nodes[reader].inputs.size(); ++slot) {
+          if (input.nodes[reader].inputs[slot] != t) continue;
+          table.nodes[reader].inputs[slot] = in_tensor;
+          std::vector<int>& consumers = table.tensors[t].consumers;
+          consumers.erase(std::find(consumers.begin(), consumers.end(), reader));
+          table.tensors[in_tensor].consumers.push_back(reader);
+          rewrite->rewires.push_back(
+              {reader, static_cast<int>(slot), table.nodes[in_node].def->name()});
+        }
+      }
+    }
+    rewrite->swapped.push_back(t);
+    rewrite->bytes_to_host += tensor.bytes;
+    rewrite->copy_seconds += copy;
+  }
+
+  rewrite->order.clear();
+  rewrite->order.reserve(table.nodes.size());
+  for (int node : order) {
+    rewrite->order.push_back(node);
+    for (int added : after[node]) rewrite->order.push_back(added);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplySwapRewrite(const SwapRewrite& rewrite, tensorflow::GraphDef* graph) {
+  for (const SwapRewrite::Rewire& rewire : rewrite.rewires) {
+    if (rewire.node < 0 || rewire.node >= graph->node_size()) {
+      return absl::InternalError("swap: rewired node out of range");
+    }
+    NodeDef* node = graph->mutable_node(rewire.node);
+    if (node->name() != rewrite.table.nodes[rewire.node].def->name() ||
+        rewire.slot >= node->input_size() ||
+        tensorflow::grappler::IsControlInput(node->input(rewire.slot))) {
+      return absl::InternalError(
+          absl::StrCat("swap: graph and table disagree at ", node->name()));
+    }
+    node->set_input(rewire.slot, rewire.input);
+  }
+  for (const NodeDef& added : rewrite.new_defs) *graph->add_node() = added;
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> HostBytesTimeline(const TensorTable& table, const std::vector<int>& order,
+                                       int64_t* peak) {
+  std::vector<int> position(table.nodes.size(), -1);
+  for (size_t s = 0; s < order.size(); ++s) position[order[s]] = static_cast<int>(s);
+  std::vector<int64_t> delta(order.size() + 1, 0);
+  for (size_t t = 0; t < table.tensors.size(); ++t) {
+    const TensorInfo& tensor = table.tensors[t];
+    const BufferInfo& buffer = table.buffers[tensor.buffer];
+    if (buffer.host_bytes <= 0 || buffer.owner != static_cast<int>(t)) continue;
+    const int start = position[tensor.node];
+    int last = start;
+    for (int c : tensor.consumers) last = std::max(last, position[c]);
+    if (start < 0) continue;
+    delta[start] += buffer.host_bytes;
+    delta[last + 1] -= buffer.host_bytes;
+  }
+  std::vector<int64_t> timeline(order.size(), 0);
+  int64_t live = 0;
+  *peak = 0;
+  for (size_t s = 0; s < order.size(); ++s) {
+    live += delta[s];
+    timeline[s] = live;
+    *peak = std::max(*peak, live);
+  }
+  return timeline;
+}
+
+}  // namespace tfmemopt
