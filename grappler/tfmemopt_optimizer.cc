@@ -288,7 +288,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     for (int n : recompute.cloned) report->recompute.nodes.push_back(table.nodes[n].def->name());
     report->recompute.num_triggers = recompute.num_triggers;
     report->recompute.added_seconds = recompute.added_seconds;
-    for (int t : swap.swapped) report->swap.tensors.push_back(recompute.table.TensorName(t));
+    for (int t : swap.swapped) report->swap.tensors.push_back(swap.table.TensorName(t));
     report->swap.num_swap_out = swap.num_swap_out;
     report->swap.num_swap_in = swap.num_swap_in;
     report->swap.bytes_to_host = swap.bytes_to_host;

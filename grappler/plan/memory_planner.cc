@@ -1,6 +1,7 @@
 #include "grappler/plan/memory_planner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <set>
 
@@ -176,6 +177,7 @@ class Planner {
   }
 
   absl::Status Evaluate(Choice choice, Evaluated* out) {
+    const auto start = std::chrono::steady_clock::now();
     for (std::vector<int>* v : {&choice.recompute, &choice.swap}) {
       std::sort(v->begin(), v->end());
       v->erase(std::unique(v->begin(), v->end()), v->end());
@@ -184,13 +186,18 @@ class Planner {
     absl::Status status = BuildRecomputeRewrite(table_, order_, flow_, out->choice.recompute,
                                                 &out->rewrite.recompute);
     if (!status.ok()) return status;
-    status = BuildSwapRewrite(out->rewrite.recompute.table, out->rewrite.recompute.order, flow_,
-                              out->choice.swap, SwapOptionsFor(), &out->rewrite.swap);
+    status = BuildSwapRewrite(std::move(out->rewrite.recompute.table),
+                              out->rewrite.recompute.order, flow_, out->choice.swap,
+                              SwapOptionsFor(), &out->rewrite.swap);
     if (!status.ok()) return status;
-    status = Simulate(out->rewrite.table(), out->rewrite.order(), options_.simulation,
-                      &out->simulation);
+    const auto built = std::chrono::steady_clock::now();
+    status = Simulate(out->rewrite.table(), out->rewrite.order(),
+                      allocator_ ? options_.simulation : SimulationOptions(), &out->simulation);
     if (!status.ok()) return status;
     ++plan_->simulations;
+    rewrite_seconds_ += std::chrono::duration<double>(built - start).count();
+    simulate_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - built).count();
     out->excess = Excess(out->simulation, options_.budget_bytes, &out->worst_device);
     out->overshoot = Overshoot(out->simulation, options_.budget_bytes);
     out->seconds = out->rewrite.recompute.added_seconds;
@@ -200,6 +207,27 @@ class Planner {
 
   // Greedy descent from `start`; recompute candidates only if `recompute`.
   absl::Status Descend(Choice start, bool recompute, Evaluated* best);
+
+  // The allocator model costs as much as the rest of a simulation, so the search
+  // runs on live bytes first and turns it on once those fit (or cannot).
+  bool HasAllocatorModel() const {
+    for (int64_t limit : options_.simulation.bfc_memory_limit) {
+      if (limit > 0) return true;
+    }
+    return false;
+  }
+  absl::Status UseAllocatorModel(Evaluated* state) {
+    if (allocator_ || !HasAllocatorModel()) return absl::OkStatus();
+    allocator_ = true;
+    Evaluated again;
+    absl::Status status = Evaluate(state->choice, &again);
+    if (status.ok()) *state = std::move(again);
+    return status;
+  }
+  absl::Status EvaluateWithAllocator(Choice choice, Evaluated* out) {
+    allocator_ = true;
+    return Evaluate(std::move(choice), out);
+  }
   absl::Status SqrtChoice(Choice* choice);
   absl::Status ManualChoice(Choice* choice);
 
@@ -240,6 +268,10 @@ class Planner {
   MemoryPlan* plan_;
   std::vector<bool> recomputable_;
   std::vector<std::vector<int>> tensors_of_buffer_;
+  bool allocator_ = false;
+
+ public:
+  double rewrite_seconds_ = 0, simulate_seconds_ = 0;
 };
 
 void Planner::Candidates(const Evaluated& state, bool recompute,
@@ -390,7 +422,13 @@ absl::Status Planner::Descend(Choice start, bool recompute, Evaluated* best) {
   auto group_of = [](const Candidate& c) {
     return Group{c.kind, c.kind == Kind::kSwap ? c.tensors : c.nodes, c.seconds};
   };
-  while (state.excess > 0 && plan_->simulations < options_.max_simulations) {
+  while (plan_->simulations < options_.max_simulations) {
+    if (state.excess <= 0) {
+      if (allocator_ || !HasAllocatorModel()) break;
+      status = UseAllocatorModel(&state);
+      if (!status.ok()) return status;
+      continue;
+    }
     Candidates(state, recompute, &candidates);
     VLOG(2) << "TfMemOpt plan: " << state.choice.recompute.size() << " recomputed, "
             << state.choice.swap.size() << " swapped, excess " << state.excess
@@ -407,7 +445,7 @@ absl::Status Planner::Descend(Choice start, bool recompute, Evaluated* best) {
                              ? options_.max_swapped_tensors -
                                    static_cast<int64_t>(state.choice.swap.size())
                              : INT64_MAX;
-    for (size_t i = 0; i < candidates.size() && batch.size() < 8; ++i) {
+    for (size_t i = 0; i < candidates.size() && batch.size() < 64; ++i) {
       const Candidate& c = candidates[i];
       if (c.kind == Kind::kSwap) {
         if (static_cast<int64_t>(c.tensors.size()) > swaps_left) continue;
@@ -470,6 +508,8 @@ absl::Status Planner::Descend(Choice start, bool recompute, Evaluated* best) {
     groups.push_back(group_of(candidates[chosen]));
     state = std::move(chosen_state);
   }
+  status = UseAllocatorModel(&state);
+  if (!status.ok()) return status;
 
   // Drop choices the budget does not need, most expensive first.
   if (state.excess <= 0 && !groups.empty()) {
@@ -629,9 +669,11 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   if (auto_recompute || options.enable_swap) {
     status = planner.Descend(std::move(start), auto_recompute, &best);
   } else {
-    status = planner.Evaluate(std::move(start), &best);
+    status = planner.EvaluateWithAllocator(std::move(start), &best);
   }
   if (!status.ok()) return status;
+  VLOG(1) << "TfMemOpt plan: " << plan->simulations << " simulations, building rewrites "
+          << planner.rewrite_seconds_ << " s, simulating " << planner.simulate_seconds_ << " s";
   plan->recompute_nodes = best.rewrite.recompute.cloned;
   plan->swap_tensors = best.rewrite.swap.swapped;
   plan->feasible = best.excess <= 0;

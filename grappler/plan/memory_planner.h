@@ -85,7 +85,8 @@ struct MemoryPlan {
   std::vector<std::string> hinted_but_not_recomputable;  // MANUAL: names, with reason
 };
 
-// A plan applied: recomputation first, swapping on top of it.
+// A plan applied: recomputation first, swapping on top of it (the swap rewrite
+// takes over the recompute rewrite's table).
 struct PlannedRewrite {
   RecomputeRewrite recompute;
   SwapRewrite swap;

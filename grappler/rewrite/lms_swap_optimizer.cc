@@ -68,7 +68,7 @@ std::vector<int> LateReaders(const TensorTable& table, const ControlFlowInfo& fl
   return readers;
 }
 
-absl::Status BuildSwapRewrite(const TensorTable& input, const std::vector<int>& order,
+absl::Status BuildSwapRewrite(TensorTable&& input, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& tensors,
                               const SwapOptions& options, SwapRewrite* rewrite) {
   const int n = static_cast<int>(input.nodes.size());
@@ -81,7 +81,7 @@ absl::Status BuildSwapRewrite(const TensorTable& input, const std::vector<int>& 
   std::vector<int> position(n, -1);
   for (int s = 0; s < n; ++s) position[order[s]] = s;
 
-  rewrite->table = input;
+  rewrite->table = std::move(input);
   rewrite->new_defs.clear();
   rewrite->rewires.clear();
   rewrite->swapped.clear();
@@ -89,64 +89,81 @@ absl::Status BuildSwapRewrite(const TensorTable& input, const std::vector<int>& 
   rewrite->bytes_to_host = 0;
   rewrite->copy_seconds = 0;
   TensorTable& table = rewrite->table;
-  std::vector<std::vector<int>> after(n);  // new nodes to run right after each node
 
   std::vector<int> sorted = tensors;
+  for (int t : sorted) {
+    if (t < 0 || t >= static_cast<int>(table.tensors.size())) {
+      return absl::InvalidArgumentError("swap: bad tensor index");
+    }
+  }
   std::sort(sorted.begin(), sorted.end(), [&](int a, int b) {
-    const int pa = position[input.tensors[a].node], pb = position[input.tensors[b].node];
+    const int pa = position[table.tensors[a].node], pb = position[table.tensors[b].node];
     return pa != pb ? pa < pb : a < b;
   });
   sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
 
+  // First, on the graph as it is: each swap's readers, grouped per swap-in, and
+  // when each swap-in starts (walking back from its first reader along the latest
+  // backward inputs until the ops passed cover the copy).
+  struct Planned {
+    int tensor;
+    std::vector<std::vector<int>> groups;
+    std::vector<int> triggers;
+  };
+  std::vector<Planned> planned;
   for (int t : sorted) {
-    if (t < 0 || t >= static_cast<int>(input.tensors.size())) {
-      return absl::InvalidArgumentError("swap: bad tensor index");
-    }
-    const TensorInfo& tensor = input.tensors[t];
-    const NodeInfo& producer = input.nodes[tensor.node];
-    if (producer.backward || flow.Under(tensor.node)) {
+    const TensorInfo& tensor = table.tensors[t];
+    if (table.nodes[tensor.node].backward || flow.Under(tensor.node)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "swap: ", input.TensorName(t), " is not a forward tensor outside control flow"));
+          "swap: ", table.TensorName(t), " is not a forward tensor outside control flow"));
     }
-    std::vector<int> readers = LateReaders(input, flow, t);
+    std::vector<int> readers = LateReaders(table, flow, t);
     if (readers.empty()) continue;
     std::sort(readers.begin(), readers.end(),
               [&](int a, int b) { return position[a] < position[b]; });
-    const bool gpu = OnGpu(producer.def->device());
     const double copy = static_cast<double>(tensor.bytes) / options.bandwidth_bytes_per_sec;
-
-    // When each swap-in starts: walk back from its first reader along the latest
-    // backward inputs until the ops passed cover the copy.
-    std::vector<std::vector<int>> groups;
+    Planned swap{t, {}, {}};
     if (options.fuse_swapins) {
-      groups.push_back(readers);
+      swap.groups.push_back(readers);
     } else {
-      for (int r : readers) groups.push_back({r});
+      for (int r : readers) swap.groups.push_back({r});
     }
-    std::vector<int> triggers;
-    for (const std::vector<int>& group : groups) {
+    for (const std::vector<int>& group : swap.groups) {
       int x = group.front(), ops = 0;
       double seconds = 0;
       while (true) {
         if (options.lag_ops > 0 && ops >= options.lag_ops) break;
         if (seconds >= copy && ops >= std::max(1, options.lead_ops)) break;
-        const int previous = LatestBackwardInput(input, flow, x, &position);
+        const int previous = LatestBackwardInput(table, flow, x, &position);
         if (previous < 0) break;
         x = previous;
         ++ops;
-        seconds += input.nodes[x].compute_seconds;
+        seconds += table.nodes[x].compute_seconds;
       }
-      triggers.push_back(ops > 0 ? x : -1);
+      swap.triggers.push_back(ops > 0 ? x : -1);
     }
-    if (std::find(triggers.begin(), triggers.end(), -1) != triggers.end()) continue;
+    if (std::find(swap.triggers.begin(), swap.triggers.end(), -1) != swap.triggers.end()) continue;
+    planned.push_back(std::move(swap));
+  }
 
-    const std::string base = absl::StrReplaceAll(input.TensorName(t), {{":", "_"}});
-    const std::string& device = producer.def->device();
-    // Swap-out.
+  // Then the edit.
+  std::vector<std::vector<int>> after(n);  // new nodes to run right after each node
+  for (const Planned& swap : planned) {
+    const int t = swap.tensor;
+    const TensorInfo tensor = table.tensors[t];  // a copy: the tables grow below
+    const int producer_node = tensor.node;
+    const std::string producer_name = table.nodes[producer_node].def->name();
+    const std::string device = table.nodes[producer_node].def->device();
+    const std::string short_device = table.nodes[producer_node].device;
+    const bool gpu = OnGpu(device);
+    const double copy = static_cast<double>(tensor.bytes) / options.bandwidth_bytes_per_sec;
+    const std::string base = absl::StrReplaceAll(table.TensorName(t), {{":", "_"}});
+
     rewrite->new_defs.push_back(SwapNode(absl::StrCat(kSwapOutScope, base),
-                                         TensorRef(producer.def->name(), tensor.port), gpu,
+                                         TensorRef(producer_name, tensor.port), gpu,
                                          /*swap_out=*/true, tensor.dtype, device));
     const int out_node = static_cast<int>(table.nodes.size());
+    const int stash_tensor = static_cast<int>(table.tensors.size());
     {
       NodeInfo info;
       info.def = &rewrite->new_defs.back();
@@ -154,15 +171,14 @@ absl::Status BuildSwapRewrite(const TensorTable& input, const std::vector<int>& 
       info.stateful = !gpu;
       info.compute_seconds = copy;
       info.inputs = {t};
-      const int out_tensor = static_cast<int>(table.tensors.size());
-      info.outputs = {out_tensor};
+      info.outputs = {stash_tensor};
       TensorInfo stash = tensor;
       stash.node = out_node;
       stash.port = 0;
       stash.consumers.clear();
       stash.role = TensorRole::kActivation;
       BufferInfo buffer;
-      buffer.owner = out_tensor;
+      buffer.owner = stash_tensor;
       buffer.device = info.device;
       if (gpu && std::binary_search(table.devices.begin(), table.devices.end(), info.device)) {
         buffer.bytes = tensor.bytes;  // on the host CPU device
@@ -175,30 +191,29 @@ absl::Status BuildSwapRewrite(const TensorTable& input, const std::vector<int>& 
       table.tensors[t].consumers.push_back(out_node);
       table.node_index[info.def->name()] = out_node;
       table.nodes.push_back(std::move(info));
-      after[tensor.node].push_back(out_node);
+      after[producer_node].push_back(out_node);
     }
-    const int stash_tensor = table.nodes[out_node].outputs[0];
     ++rewrite->num_swap_out;
 
-    // Swap-ins.
-    for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t g = 0; g < swap.groups.size(); ++g) {
+      const std::vector<int>& group = swap.groups[g];
       const std::string name =
-          groups.size() == 1
+          swap.groups.size() == 1
               ? absl::StrCat(kSwapInScope, base)
-              : absl::StrCat(kSwapInScope, base, "/", input.nodes[groups[g].front()].def->name());
+              : absl::StrCat(kSwapInScope, base, "/", table.nodes[group.front()].def->name());
       NodeDef in = SwapNode(name, table.nodes[out_node].def->name(), gpu, /*swap_out=*/false,
                             tensor.dtype, device);
-      in.add_input(absl::StrCat("^", input.nodes[triggers[g]].def->name()));
+      in.add_input(absl::StrCat("^", table.nodes[swap.triggers[g]].def->name()));
       rewrite->new_defs.push_back(std::move(in));
       const int in_node = static_cast<int>(table.nodes.size());
+      const int in_tensor = static_cast<int>(table.tensors.size());
       NodeInfo info;
       info.def = &rewrite->new_defs.back();
-      info.device = producer.device;
+      info.device = short_device;
       info.stateful = !gpu;
       info.backward = true;
       info.compute_seconds = copy;
       info.inputs = {stash_tensor};
-      const int in_tensor = static_cast<int>(table.tensors.size());
       info.outputs = {in_tensor};
       TensorInfo copy_back = tensor;
       copy_back.node = in_node;
@@ -208,26 +223,27 @@ absl::Status BuildSwapRewrite(const TensorTable& input, const std::vector<int>& 
       BufferInfo buffer;
       buffer.owner = in_tensor;
       buffer.bytes = tensor.bytes;
-      buffer.device = producer.device;
+      buffer.device = short_device;
       copy_back.buffer = static_cast<int>(table.buffers.size());
       table.buffers.push_back(buffer);
       table.tensors.push_back(std::move(copy_back));
       table.tensors[stash_tensor].consumers.push_back(in_node);
       table.node_index[info.def->name()] = in_node;
       table.nodes.push_back(std::move(info));
-      after[triggers[g]].push_back(in_node);
+      after[swap.triggers[g]].push_back(in_node);
       ++rewrite->num_swap_in;
       rewrite->copy_seconds += copy;
 
-      for (int reader : groups[g]) {
-        for (size_t slot = 0; slot < input.nodes[reader].inputs.size(); ++slot) {
-          if (input.nodes[reader].inputs[slot] != t) continue;
-          table.nodes[reader].inputs[slot] = in_tensor;
+      for (int reader : group) {
+        std::vector<int>& inputs = table.nodes[reader].inputs;
+        for (size_t slot = 0; slot < inputs.size(); ++slot) {
+          if (inputs[slot] != t) continue;
+          inputs[slot] = in_tensor;
           std::vector<int>& consumers = table.tensors[t].consumers;
           consumers.erase(std::find(consumers.begin(), consumers.end(), reader));
           table.tensors[in_tensor].consumers.push_back(reader);
-          rewrite->rewires.push_back(
-              {reader, static_cast<int>(slot), table.nodes[in_node].def->name()});
+          rewrite->rewires.push_back({reader, static_cast<int>(slot), name,
+                                      table.nodes[reader].def->name()});
         }
       }
     }
@@ -251,7 +267,7 @@ absl::Status ApplySwapRewrite(const SwapRewrite& rewrite, tensorflow::GraphDef* 
       return absl::InternalError("swap: rewired node out of range");
     }
     NodeDef* node = graph->mutable_node(rewire.node);
-    if (node->name() != rewrite.table.nodes[rewire.node].def->name() ||
+    if (node->name() != rewire.node_name ||
         rewire.slot >= node->input_size() ||
         tensorflow::grappler::IsControlInput(node->input(rewire.slot))) {
       return absl::InternalError(

@@ -64,6 +64,7 @@ struct SwapRewrite {
     int node;  // reader, index in the input table (and graph)
     int slot;
     std::string input;
+    std::string node_name;  // the reader's name, to check the graph against
   };
   std::vector<Rewire> rewires;
   std::vector<int> swapped;  // input-table tensor indices, in order
@@ -79,8 +80,9 @@ struct SwapRewrite {
 std::vector<int> LateReaders(const TensorTable& table, const ControlFlowInfo& flow, int tensor);
 
 // Builds the rewrite that swaps `tensors` (indices into `table`, which may already
-// hold recomputation clones). Tensors without late readers are skipped.
-absl::Status BuildSwapRewrite(const TensorTable& table, const std::vector<int>& order,
+// hold recomputation clones). Tensors without late readers are skipped. The table
+// is taken over (moved) to save a copy.
+absl::Status BuildSwapRewrite(TensorTable&& table, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& tensors,
                               const SwapOptions& options, SwapRewrite* rewrite);
 

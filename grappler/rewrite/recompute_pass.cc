@@ -198,8 +198,9 @@ absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<in
           std::vector<int>& old_consumers = table.tensors[t].consumers;
           old_consumers.erase(std::find(old_consumers.begin(), old_consumers.end(), c));
           table.tensors[new_tensor].consumers.push_back(c);
-          rewrite->rewires.push_back(
-              {c, static_cast<int>(slot), TensorRef(table.nodes[index].def->name(), port)});
+          rewrite->rewires.push_back({c, static_cast<int>(slot),
+                                      TensorRef(table.nodes[index].def->name(), port),
+                                      base.nodes[c].def->name()});
         }
       }
     }
@@ -227,7 +228,7 @@ absl::Status ApplyRecomputeRewrite(const RecomputeRewrite& rewrite,
       return absl::InternalError("recompute: rewired node out of range");
     }
     tensorflow::NodeDef* node = graph->mutable_node(rewire.node);
-    if (node->name() != rewrite.table.nodes[rewire.node].def->name() ||
+    if (node->name() != rewire.node_name ||
         rewire.slot >= node->input_size() ||
         tensorflow::grappler::IsControlInput(node->input(rewire.slot))) {
       return absl::InternalError(

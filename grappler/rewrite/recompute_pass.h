@@ -46,6 +46,7 @@ struct RecomputeRewrite {
     int node;   // consumer, base node index
     int slot;   // data input index
     std::string input;  // the clone's tensor name
+    std::string node_name;  // the consumer's name, to check the graph against
   };
   std::vector<Rewire> rewires;
   std::vector<int> cloned;  // base node indices that got a clone, in base order
