@@ -337,11 +337,14 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
     const NodeDef& node = graph.node(i);
     for (const std::string& input : node.input()) {
       tensorflow::TensorId id = tensorflow::ParseTensorName(input);
-      if (id.index() < 0) continue;  // control dependency
       auto it = table->node_index.find(std::string(id.node()));
       if (it == table->node_index.end()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "node ", node.name(), " reads missing input ", input));
+      }
+      if (id.index() < 0) {  // control dependency
+        table->nodes[i].control_inputs.push_back(it->second);
+        continue;
       }
       NodeInfo& producer = table->nodes[it->second];
       while (static_cast<int>(producer.outputs.size()) <= id.index()) {

@@ -13,11 +13,13 @@
 #define TFMEMOPT_GRAPPLER_ANALYZE_TENSOR_TABLE_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "grappler/memory_optimizer_options.h"
 #include "tensorflow/core/grappler/grappler_item.h"
 
@@ -55,6 +57,7 @@ struct NodeInfo {
   double compute_seconds = 0;
   std::vector<int> inputs;   // tensor indices of data inputs
   std::vector<int> outputs;  // tensor indices
+  std::vector<int> control_inputs;  // node indices
 };
 
 struct BufferInfo {
@@ -67,11 +70,31 @@ struct BufferInfo {
   int64_t host_bytes = 0;
 };
 
+// Node name -> node index. Tables the planner derives from a table share its map
+// (they only append nodes that nobody looks up by name), so copying a table does
+// not copy the map; a write gives the writer a map of its own.
+class NodeIndex {
+ public:
+  using Map = absl::flat_hash_map<std::string, int>;
+  NodeIndex() : map_(std::make_shared<Map>()) {}
+  Map::const_iterator find(absl::string_view name) const { return map_->find(name); }
+  Map::const_iterator end() const { return map_->end(); }
+  size_t count(absl::string_view name) const { return map_->count(name); }
+  size_t size() const { return map_->size(); }
+  int& operator[](const std::string& name) {
+    if (map_.use_count() > 1) map_ = std::make_shared<Map>(*map_);
+    return (*map_)[name];
+  }
+
+ private:
+  std::shared_ptr<Map> map_;
+};
+
 struct TensorTable {
   std::vector<NodeInfo> nodes;
   std::vector<TensorInfo> tensors;
   std::vector<BufferInfo> buffers;
-  absl::flat_hash_map<std::string, int> node_index;
+  NodeIndex node_index;
   std::vector<std::string> devices;  // sorted, every device a node is placed on
   std::vector<int> fetch_tensors;    // kept alive to the end of the step
   // Tensors with dimensions that stayed unknown; they count as 1 per unknown dim.

@@ -143,10 +143,12 @@ struct Choice {
   std::vector<int> swap;       // base tensor indices
 };
 
-// One planning state: a choice, applied and simulated.
+// One planning state: a choice, simulated. (The planner applies choices to one
+// working table in place and takes them back, so a state keeps no table.)
 struct Evaluated {
   Choice choice;
-  PlannedRewrite rewrite;
+  std::vector<int> cloned;   // nodes that got a clone
+  std::vector<int> swapped;  // tensors that are swapped
   SimulationResult simulation;
   int64_t excess = 0;
   double overshoot = 0;
@@ -158,7 +160,7 @@ class Planner {
  public:
   Planner(const TensorTable& table, const std::vector<int>& order, const ControlFlowInfo& flow,
           const MemoryPlannerOptions& options, MemoryPlan* plan)
-      : table_(table), order_(order), flow_(flow), options_(options), plan_(plan) {
+      : table_(table), work_(table), order_(order), flow_(flow), options_(options), plan_(plan) {
     const int n = static_cast<int>(table.nodes.size());
     recomputable_.assign(n, false);
     for (int i = 0; i < n; ++i) {
@@ -176,6 +178,19 @@ class Planner {
     }
   }
 
+  // Applies `choice` to the working table; Unapply() takes it back.
+  absl::Status Apply(const Choice& choice) {
+    absl::Status status = RecomputeInPlace(&work_, order_, flow_, choice.recompute,
+                                           &applied_recompute_, &recompute_edit_);
+    if (!status.ok()) return status;
+    return SwapInPlace(&work_, applied_recompute_.order, flow_, choice.swap, SwapOptionsFor(),
+                       &applied_swap_, &swap_edit_);
+  }
+  void Unapply() {
+    swap_edit_.Undo(&work_);
+    recompute_edit_.Undo(&work_);
+  }
+
   absl::Status Evaluate(Choice choice, Evaluated* out) {
     const auto start = std::chrono::steady_clock::now();
     for (std::vector<int>* v : {&choice.recompute, &choice.swap}) {
@@ -183,30 +198,41 @@ class Planner {
       v->erase(std::unique(v->begin(), v->end()), v->end());
     }
     out->choice = std::move(choice);
-    absl::Status status = BuildRecomputeRewrite(table_, order_, flow_, out->choice.recompute,
-                                                &out->rewrite.recompute);
-    if (!status.ok()) return status;
-    status = BuildSwapRewrite(std::move(out->rewrite.recompute.table),
-                              out->rewrite.recompute.order, flow_, out->choice.swap,
-                              SwapOptionsFor(), &out->rewrite.swap);
-    if (!status.ok()) return status;
+    absl::Status status = Apply(out->choice);
+    if (!status.ok()) {
+      Unapply();
+      return status;
+    }
     const auto built = std::chrono::steady_clock::now();
-    status = Simulate(out->rewrite.table(), out->rewrite.order(),
+    status = Simulate(work_, applied_swap_.order,
                       allocator_ ? options_.simulation : SimulationOptions(), &out->simulation);
+    Unapply();
     if (!status.ok()) return status;
     ++plan_->simulations;
     rewrite_seconds_ += std::chrono::duration<double>(built - start).count();
     simulate_seconds_ +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - built).count();
+    out->cloned = applied_recompute_.cloned;
+    out->swapped = applied_swap_.swapped;
     out->excess = Excess(out->simulation, options_.budget_bytes, &out->worst_device);
     out->overshoot = Overshoot(out->simulation, options_.budget_bytes);
-    out->seconds = out->rewrite.recompute.added_seconds;
-    for (int t : out->rewrite.swap.swapped) out->seconds += SwapSeconds(t);
+    out->seconds = applied_recompute_.added_seconds;
+    for (int t : out->swapped) out->seconds += SwapSeconds(t);
     return absl::OkStatus();
   }
 
-  // Greedy descent from `start`; recompute candidates only if `recompute`.
-  absl::Status Descend(Choice start, bool recompute, Evaluated* best);
+  enum class Kind { kRecompute, kSwap };
+  // Choices that the final cleanup may take back, one group at a time.
+  struct Group {
+    Kind kind;
+    std::vector<int> items;  // nodes to recompute, or tensors to swap
+    double seconds;
+  };
+
+  // Greedy descent from `fixed` plus `groups`; recompute candidates only if
+  // `recompute`. Groups the budget turns out not to need are dropped at the end.
+  absl::Status Descend(const Choice& fixed, std::vector<Group> groups, bool recompute,
+                       Evaluated* best);
 
   // The allocator model costs as much as the rest of a simulation, so the search
   // runs on live bytes first and turns it on once those fit (or cannot).
@@ -228,11 +254,11 @@ class Planner {
     allocator_ = true;
     return Evaluate(std::move(choice), out);
   }
-  absl::Status SqrtChoice(Choice* choice);
+  // SQRT's recompute set, one group per segment between checkpoints.
+  absl::Status SqrtChoice(std::vector<Group>* segments);
   absl::Status ManualChoice(Choice* choice);
 
  private:
-  enum class Kind { kRecompute, kSwap };
   struct Candidate {
     Kind kind = Kind::kRecompute;
     std::vector<int> nodes;    // the closure to recompute, or the swapped tensor's producer
@@ -242,8 +268,10 @@ class Planner {
     double seconds = 0;
     int owner = 0;  // tie-break
   };
-  void Candidates(const Evaluated& state, bool recompute, std::vector<Candidate>* out) const;
+  absl::Status Candidates(const Evaluated& state, bool recompute, std::vector<Candidate>* out);
 
+
+ public:
   SwapOptions SwapOptionsFor() const {
     SwapOptions swap = options_.swap;
     if (swap.bandwidth_bytes_per_sec <= 0) {
@@ -254,6 +282,8 @@ class Planner {
     }
     return swap;
   }
+
+ private:
   double SwapSeconds(int tensor) const {
     const TensorInfo& t = table_.tensors[tensor];
     const std::string& device = table_.nodes[t.node].device;
@@ -269,22 +299,32 @@ class Planner {
   std::vector<bool> recomputable_;
   std::vector<std::vector<int>> tensors_of_buffer_;
   bool allocator_ = false;
+  // The base table, with the choice being evaluated applied in place.
+  TensorTable work_;
+  RecomputeRewrite applied_recompute_;
+  SwapRewrite applied_swap_;
+  TableEdit recompute_edit_, swap_edit_;
 
  public:
   double rewrite_seconds_ = 0, simulate_seconds_ = 0;
 };
 
-void Planner::Candidates(const Evaluated& state, bool recompute,
-                         std::vector<Candidate>* out) const {
+absl::Status Planner::Candidates(const Evaluated& state, bool recompute,
+                                 std::vector<Candidate>* out) {
   out->clear();
-  if (state.worst_device < 0) return;
+  if (state.worst_device < 0) return absl::OkStatus();
   const DeviceTimeline& timeline = state.simulation.devices[state.worst_device];
   const int peak_step = timeline.peak_step;
-  if (peak_step < 0) return;
-  const TensorTable& now = state.rewrite.table();
+  if (peak_step < 0) return absl::OkStatus();
+  absl::Status status = Apply(state.choice);
+  if (!status.ok()) {
+    Unapply();
+    return status;
+  }
+  const TensorTable& now = work_;
   std::vector<int> position(now.nodes.size(), -1);
-  for (size_t s = 0; s < state.rewrite.order().size(); ++s) {
-    position[state.rewrite.order()[s]] = static_cast<int>(s);
+  for (size_t s = 0; s < applied_swap_.order.size(); ++s) {
+    position[applied_swap_.order[s]] = static_cast<int>(s);
   }
   std::vector<bool> live(now.buffers.size(), false);
   for (int b : timeline.live_at_peak) live[b] = true;
@@ -387,26 +427,30 @@ void Planner::Candidates(const Evaluated& state, bool recompute,
     candidate.nodes = std::move(work);
     out->push_back(std::move(candidate));
   }
+  Unapply();
   std::sort(out->begin(), out->end(), [](const Candidate& a, const Candidate& b) {
     const double sa = a.gain / a.seconds, sb = b.gain / b.seconds;
     if (sa != sb) return sa > sb;
     if (a.owner != b.owner) return a.owner < b.owner;
     return a.kind < b.kind;
   });
+  return absl::OkStatus();
 }
 
-absl::Status Planner::Descend(Choice start, bool recompute, Evaluated* best) {
-  Evaluated state;
-  absl::Status status = Evaluate(std::move(start), &state);
-  if (!status.ok()) return status;
-  // Accepted candidates, in order, to drop again if the budget turns out not to
-  // need them.
-  struct Group {
-    Kind kind;
-    std::vector<int> items;
-    double seconds;
+absl::Status Planner::Descend(const Choice& fixed, std::vector<Group> groups, bool recompute,
+                              Evaluated* best) {
+  auto combined = [&](const std::vector<bool>* dropped) {
+    Choice choice = fixed;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (dropped != nullptr && (*dropped)[g]) continue;
+      std::vector<int>& into = groups[g].kind == Kind::kSwap ? choice.swap : choice.recompute;
+      into.insert(into.end(), groups[g].items.begin(), groups[g].items.end());
+    }
+    return choice;
   };
-  std::vector<Group> groups;
+  Evaluated state;
+  absl::Status status = Evaluate(combined(nullptr), &state);
+  if (!status.ok()) return status;
   std::vector<Candidate> candidates;
   auto improves = [](const Evaluated& next, const Evaluated& now) {
     return next.excess < now.excess ||
@@ -429,7 +473,8 @@ absl::Status Planner::Descend(Choice start, bool recompute, Evaluated* best) {
       if (!status.ok()) return status;
       continue;
     }
-    Candidates(state, recompute, &candidates);
+    status = Candidates(state, recompute, &candidates);
+    if (!status.ok()) return status;
     VLOG(2) << "TfMemOpt plan: " << state.choice.recompute.size() << " recomputed, "
             << state.choice.swap.size() << " swapped, excess " << state.excess
             << ", overshoot " << state.overshoot << ", " << candidates.size() << " candidates";
@@ -511,36 +556,20 @@ absl::Status Planner::Descend(Choice start, bool recompute, Evaluated* best) {
   status = UseAllocatorModel(&state);
   if (!status.ok()) return status;
 
-  // Drop choices the budget does not need, most expensive first.
+  // Drop choices the budget does not need, most expensive first: whole groups,
+  // then single recomputed nodes of what is left.
   if (state.excess <= 0 && !groups.empty()) {
     std::vector<int> by_cost(groups.size());
     for (size_t g = 0; g < groups.size(); ++g) by_cost[g] = static_cast<int>(g);
     std::stable_sort(by_cost.begin(), by_cost.end(),
                      [&](int a, int b) { return groups[a].seconds > groups[b].seconds; });
     std::vector<bool> dropped(groups.size(), false);
-    const int limit = plan_->simulations + std::min<int>(64, groups.size());
+    const int group_limit = plan_->simulations + std::min<int>(64, groups.size());
     for (int g : by_cost) {
-      if (plan_->simulations >= limit) break;
+      if (plan_->simulations >= group_limit) break;
       dropped[g] = true;
-      Choice trial_choice;
-      // Choices made before the descent (SQRT, MANUAL) stay.
-      for (int r : state.choice.recompute) {
-        bool grouped = false;
-        for (const Group& group : groups) {
-          grouped = grouped || (group.kind == Kind::kRecompute &&
-                                std::find(group.items.begin(), group.items.end(), r) !=
-                                    group.items.end());
-        }
-        if (!grouped) trial_choice.recompute.push_back(r);
-      }
-      for (size_t h = 0; h < groups.size(); ++h) {
-        if (dropped[h]) continue;
-        std::vector<int>& into =
-            groups[h].kind == Kind::kSwap ? trial_choice.swap : trial_choice.recompute;
-        into.insert(into.end(), groups[h].items.begin(), groups[h].items.end());
-      }
       Evaluated trial;
-      status = Evaluate(std::move(trial_choice), &trial);
+      status = Evaluate(combined(&dropped), &trial);
       if (!status.ok()) return status;
       if (trial.excess <= 0 && trial.seconds <= state.seconds) {
         state = std::move(trial);
@@ -548,12 +577,36 @@ absl::Status Planner::Descend(Choice start, bool recompute, Evaluated* best) {
         dropped[g] = false;
       }
     }
+    std::vector<std::pair<int, int>> singles;  // (group, node), most expensive first
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (dropped[g] || groups[g].kind != Kind::kRecompute || groups[g].items.size() < 2) continue;
+      for (int node : groups[g].items) singles.push_back({static_cast<int>(g), node});
+    }
+    std::stable_sort(singles.begin(), singles.end(), [&](const auto& a, const auto& b) {
+      return table_.nodes[a.second].compute_seconds > table_.nodes[b.second].compute_seconds;
+    });
+    const int single_limit = plan_->simulations + 32;
+    for (const auto& [g, node] : singles) {
+      if (plan_->simulations >= single_limit) break;
+      std::vector<int>& items = groups[g].items;
+      auto it = std::find(items.begin(), items.end(), node);
+      if (it == items.end()) continue;
+      items.erase(it);
+      Evaluated trial;
+      status = Evaluate(combined(&dropped), &trial);
+      if (!status.ok()) return status;
+      if (trial.excess <= 0 && trial.seconds < state.seconds) {
+        state = std::move(trial);
+      } else {
+        items.push_back(node);
+      }
+    }
   }
   *best = std::move(state);
   return absl::OkStatus();
 }
 
-absl::Status Planner::SqrtChoice(Choice* choice) {
+absl::Status Planner::SqrtChoice(std::vector<Group>* segments) {
   // Forward tensors big enough to matter, with the span of their forward readers.
   const int n = static_cast<int>(table_.nodes.size());
   std::vector<int> forward_order;
@@ -599,14 +652,23 @@ absl::Status Planner::SqrtChoice(Choice* choice) {
       plan_->checkpoints.push_back(bottlenecks[i]);
     }
   }
+  segments->clear();
+  Group segment{Kind::kRecompute, {}, 0};
   for (int node : forward_order) {
+    if (checkpoint[node] && !segment.items.empty()) {
+      segments->push_back(std::move(segment));
+      segment = Group{Kind::kRecompute, {}, 0};
+    }
     if (!recomputable_[node] || checkpoint[node]) continue;
     bool big = false;
     for (int t : table_.nodes[node].outputs) {
       big = big || table_.tensors[t].bytes >= options_.min_tensor_bytes;
     }
-    if (big) choice->recompute.push_back(node);
+    if (!big) continue;
+    segment.items.push_back(node);
+    segment.seconds += table_.nodes[node].compute_seconds;
   }
+  if (!segment.items.empty()) segments->push_back(std::move(segment));
   return absl::OkStatus();
 }
 
@@ -656,32 +718,59 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
                         MemoryPlan* plan, PlannedRewrite* rewrite, SimulationResult* simulation) {
   *plan = MemoryPlan();
   Planner planner(table, order, flow, options, plan);
-  Choice start;
+  Choice fixed;
+  std::vector<Planner::Group> groups;
   absl::Status status;
   if (options.enable_recompute && options.policy == RecomputePolicy::kSqrt) {
-    status = planner.SqrtChoice(&start);
+    std::vector<Planner::Group> segments;
+    status = planner.SqrtChoice(&segments);
+    for (const Planner::Group& segment : segments) {
+      fixed.recompute.insert(fixed.recompute.end(), segment.items.begin(), segment.items.end());
+    }
   } else if (options.enable_recompute && options.policy == RecomputePolicy::kManual) {
-    status = planner.ManualChoice(&start);
+    status = planner.ManualChoice(&fixed);
   }
   if (!status.ok()) return status;
   Evaluated best;
   const bool auto_recompute = options.enable_recompute && options.policy == RecomputePolicy::kAuto;
   if (auto_recompute || options.enable_swap) {
-    status = planner.Descend(std::move(start), auto_recompute, &best);
+    status = planner.Descend(fixed, {}, auto_recompute, &best);
+    if (!status.ok()) return status;
+    if (auto_recompute && best.excess > 0) {
+      // The greedy descent can get stuck where only a coordinated change helps (long
+      // chains: dropping one more checkpoint alone lowers nothing). Start again from
+      // SQRT's segments, and let the cleanup give back the segments not needed.
+      const size_t checkpoints = plan->checkpoints.size();
+      std::vector<Planner::Group> segments;
+      status = planner.SqrtChoice(&segments);
+      if (!status.ok()) return status;
+      plan->checkpoints.resize(checkpoints);  // AUTO reports no SQRT checkpoints
+      Evaluated from_sqrt;
+      status = planner.Descend(fixed, std::move(segments), true, &from_sqrt);
+      if (!status.ok()) return status;
+      const bool better = from_sqrt.excess <= 0
+                              ? (best.excess > 0 || from_sqrt.seconds < best.seconds)
+                              : from_sqrt.excess < best.excess;
+      if (better) best = std::move(from_sqrt);
+    }
   } else {
-    status = planner.EvaluateWithAllocator(std::move(start), &best);
+    status = planner.EvaluateWithAllocator(std::move(fixed), &best);
   }
   if (!status.ok()) return status;
   VLOG(1) << "TfMemOpt plan: " << plan->simulations << " simulations, building rewrites "
           << planner.rewrite_seconds_ << " s, simulating " << planner.simulate_seconds_ << " s";
-  plan->recompute_nodes = best.rewrite.recompute.cloned;
-  plan->swap_tensors = best.rewrite.swap.swapped;
+  status = BuildRecomputeRewrite(table, order, flow, best.choice.recompute, &rewrite->recompute);
+  if (!status.ok()) return status;
+  status = BuildSwapRewrite(std::move(rewrite->recompute.table), rewrite->recompute.order, flow,
+                            best.choice.swap, planner.SwapOptionsFor(), &rewrite->swap);
+  if (!status.ok()) return status;
+  plan->recompute_nodes = rewrite->recompute.cloned;
+  plan->swap_tensors = rewrite->swap.swapped;
   plan->feasible = best.excess <= 0;
   plan->added_seconds = best.seconds;
   for (const DeviceTimeline& timeline : best.simulation.devices) {
     plan->peak_bytes.push_back(PredictedPeak(timeline));
   }
-  *rewrite = std::move(best.rewrite);
   *simulation = std::move(best.simulation);
   return absl::OkStatus();
 }

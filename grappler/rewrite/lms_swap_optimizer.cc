@@ -71,24 +71,31 @@ std::vector<int> LateReaders(const TensorTable& table, const ControlFlowInfo& fl
 absl::Status BuildSwapRewrite(TensorTable&& input, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& tensors,
                               const SwapOptions& options, SwapRewrite* rewrite) {
-  const int n = static_cast<int>(input.nodes.size());
+  rewrite->table = std::move(input);
+  return SwapInPlace(&rewrite->table, order, flow, tensors, options, rewrite, nullptr);
+}
+
+absl::Status SwapInPlace(TensorTable* table_ptr, const std::vector<int>& order,
+                         const ControlFlowInfo& flow, const std::vector<int>& tensors,
+                         const SwapOptions& options, SwapRewrite* rewrite, TableEdit* edit) {
+  TensorTable& table = *table_ptr;
+  const int n = static_cast<int>(table.nodes.size());
   if (static_cast<int>(order.size()) != n) {
     return absl::InvalidArgumentError("swap: the order does not cover the graph");
   }
   if (options.bandwidth_bytes_per_sec <= 0) {
     return absl::InvalidArgumentError("swap: the copy bandwidth must be positive");
   }
+  if (edit != nullptr) edit->Begin(table);
   std::vector<int> position(n, -1);
   for (int s = 0; s < n; ++s) position[order[s]] = s;
 
-  rewrite->table = std::move(input);
   rewrite->new_defs.clear();
   rewrite->rewires.clear();
   rewrite->swapped.clear();
   rewrite->num_swap_out = rewrite->num_swap_in = 0;
   rewrite->bytes_to_host = 0;
   rewrite->copy_seconds = 0;
-  TensorTable& table = rewrite->table;
 
   std::vector<int> sorted = tensors;
   for (int t : sorted) {
@@ -188,8 +195,8 @@ absl::Status BuildSwapRewrite(TensorTable&& input, const std::vector<int>& order
       stash.buffer = static_cast<int>(table.buffers.size());
       table.buffers.push_back(buffer);
       table.tensors.push_back(std::move(stash));
+      if (edit != nullptr) edit->SaveConsumers(table, t);
       table.tensors[t].consumers.push_back(out_node);
-      table.node_index[info.def->name()] = out_node;
       table.nodes.push_back(std::move(info));
       after[producer_node].push_back(out_node);
     }
@@ -228,7 +235,7 @@ absl::Status BuildSwapRewrite(TensorTable&& input, const std::vector<int>& order
       table.buffers.push_back(buffer);
       table.tensors.push_back(std::move(copy_back));
       table.tensors[stash_tensor].consumers.push_back(in_node);
-      table.node_index[info.def->name()] = in_node;
+      info.control_inputs = {swap.triggers[g]};
       table.nodes.push_back(std::move(info));
       after[swap.triggers[g]].push_back(in_node);
       ++rewrite->num_swap_in;
@@ -238,6 +245,10 @@ absl::Status BuildSwapRewrite(TensorTable&& input, const std::vector<int>& order
         std::vector<int>& inputs = table.nodes[reader].inputs;
         for (size_t slot = 0; slot < inputs.size(); ++slot) {
           if (inputs[slot] != t) continue;
+          if (edit != nullptr) {
+            edit->SaveInput(table, reader, static_cast<int>(slot));
+            edit->SaveConsumers(table, t);
+          }
           inputs[slot] = in_tensor;
           std::vector<int>& consumers = table.tensors[t].consumers;
           consumers.erase(std::find(consumers.begin(), consumers.end(), reader));

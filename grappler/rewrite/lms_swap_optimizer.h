@@ -30,6 +30,7 @@
 #include "absl/status/status.h"
 #include "grappler/analyze/control_flow.h"
 #include "grappler/analyze/tensor_table.h"
+#include "grappler/rewrite/recompute_pass.h"
 #include "tensorflow/core/framework/graph.pb.h"
 
 namespace tfmemopt {
@@ -85,6 +86,12 @@ std::vector<int> LateReaders(const TensorTable& table, const ControlFlowInfo& fl
 absl::Status BuildSwapRewrite(TensorTable&& table, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& tensors,
                               const SwapOptions& options, SwapRewrite* rewrite);
+
+// The same, applied to `table` in place (rewrite->table stays empty); `edit`
+// records how to take it back.
+absl::Status SwapInPlace(TensorTable* table, const std::vector<int>& order,
+                         const ControlFlowInfo& flow, const std::vector<int>& tensors,
+                         const SwapOptions& options, SwapRewrite* rewrite, TableEdit* edit);
 
 // Applies `rewrite` to `graph`, whose nodes are the rewrite's input table's nodes in
 // the same order.

@@ -43,29 +43,54 @@ int LatestBackwardInput(const TensorTable& table, const ControlFlowInfo& flow, i
   }
   // Gradient code orders some forward-looking ops (e.g. SquaredDifference's x - y)
   // after the incoming gradient with a control edge: that makes them late too.
-  for (const std::string& input : node.def->input()) {
-    if (!tensorflow::grappler::IsControlInput(input)) continue;
-    auto it = table.node_index.find(tensorflow::grappler::NodeName(input));
-    if (it != table.node_index.end()) consider(it->second);
-  }
+  for (int producer : node.control_inputs) consider(producer);
   return latest;
+}
+
+void TableEdit::Begin(const TensorTable& table) {
+  nodes = table.nodes.size();
+  tensors = table.tensors.size();
+  buffers = table.buffers.size();
+  consumers.clear();
+  inputs.clear();
+}
+
+void TableEdit::Undo(TensorTable* table) const {
+  for (auto it = inputs.rbegin(); it != inputs.rend(); ++it) {
+    table->nodes[std::get<0>(*it)].inputs[std::get<1>(*it)] = std::get<2>(*it);
+  }
+  for (auto it = consumers.rbegin(); it != consumers.rend(); ++it) {
+    table->tensors[it->first].consumers = it->second;
+  }
+  table->nodes.resize(nodes);
+  table->tensors.resize(tensors);
+  table->buffers.resize(buffers);
 }
 
 absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
                                    const ControlFlowInfo& flow,
                                    const std::vector<int>& nodes, RecomputeRewrite* rewrite) {
-  const int n = static_cast<int>(base.nodes.size());
+  rewrite->table = base;
+  return RecomputeInPlace(&rewrite->table, order, flow, nodes, rewrite, nullptr);
+}
+
+absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& order,
+                              const ControlFlowInfo& flow, const std::vector<int>& nodes,
+                              RecomputeRewrite* rewrite, TableEdit* edit) {
+  TensorTable& table = *table_ptr;
+  const int n = static_cast<int>(table.nodes.size());
   if (static_cast<int>(order.size()) != n) {
     return absl::InvalidArgumentError("recompute: the order does not cover the graph");
   }
+  if (edit != nullptr) edit->Begin(table);
   std::vector<int> position(n, -1);
   for (int s = 0; s < n; ++s) position[order[s]] = s;
   std::vector<char> chosen(n, 0);
   for (int r : nodes) {
     if (r < 0 || r >= n) return absl::InvalidArgumentError("recompute: bad node index");
-    if (base.nodes[r].stateful || base.nodes[r].backward || flow.Under(r)) {
+    if (table.nodes[r].stateful || table.nodes[r].backward || flow.Under(r)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "recompute: ", base.nodes[r].def->name(),
+          "recompute: ", table.nodes[r].def->name(),
           " is stateful, backward or under control flow and cannot be recomputed"));
     }
     chosen[r] = 1;
@@ -75,19 +100,26 @@ absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<in
     if (chosen[node]) chosen_in_order.push_back(node);
   }
 
-  // The earliest backward consumer each clone serves, directly or through the
-  // clones that read it: the clone must exist by then.
+  // Everything about the graph as it is comes first, before the edit changes it:
+  // which consumers read clones, the earliest backward consumer each clone serves
+  // (directly or through the clones that read it: it must exist by then), and its
+  // trigger, the latest gradient-side input of that consumer.
+  std::vector<signed char> late(n, -1);
+  auto reads_clones = [&](int c) {
+    if (late[c] < 0) late[c] = ReadsRecomputedValues(table, flow, c) ? 1 : 0;
+    return late[c] == 1;
+  };
   std::vector<int> earliest(n, INT_MAX);
   std::vector<int> earliest_node(n, -1);
   for (auto it = chosen_in_order.rbegin(); it != chosen_in_order.rend(); ++it) {
     const int r = *it;
-    for (int t : base.nodes[r].outputs) {
-      for (int c : base.tensors[t].consumers) {
+    for (int t : table.nodes[r].outputs) {
+      for (int c : table.tensors[t].consumers) {
         int at = INT_MAX, via = -1;
         if (chosen[c]) {
           at = earliest[c];
           via = earliest_node[c];
-        } else if (ReadsRecomputedValues(base, flow, c)) {
+        } else if (reads_clones(c)) {
           at = position[c];
           via = c;
         }
@@ -98,27 +130,28 @@ absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<in
       }
     }
   }
+  std::vector<int> trigger(n, -1);
+  for (int r : chosen_in_order) {
+    if (earliest_node[r] < 0) continue;
+    trigger[r] = LatestBackwardInput(table, flow, earliest_node[r], &position);
+    if (trigger[r] < 0) {
+      return absl::InternalError(
+          absl::StrCat("recompute: no trigger for ", table.nodes[r].def->name()));
+    }
+  }
 
-  rewrite->table = base;
   rewrite->clone_defs.clear();
   rewrite->rewires.clear();
   rewrite->cloned.clear();
   rewrite->num_triggers = 0;
   rewrite->added_seconds = 0;
-  TensorTable& table = rewrite->table;
   std::vector<int> clone_node(n, -1);
-  std::vector<int> trigger(n, -1);
   std::vector<int> key(n, -1);  // the clone runs right after the node at this position
 
   for (int r : chosen_in_order) {
     if (earliest_node[r] < 0) continue;  // nobody would read the clone
-    const NodeInfo& original = base.nodes[r];
-    // The trigger: the latest gradient-side input of the earliest consumer.
-    const int trigger_node = LatestBackwardInput(base, flow, earliest_node[r], &position);
-    if (trigger_node < 0) {
-      return absl::InternalError(absl::StrCat("recompute: no trigger for ", original.def->name()));
-    }
-    trigger[r] = trigger_node;
+    const NodeInfo original = table.nodes[r];  // a copy: the table grows below
+    const int trigger_node = trigger[r];
     key[r] = position[trigger_node];
 
     tensorflow::NodeDef clone = *original.def;
@@ -127,18 +160,18 @@ absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<in
     for (int i = 0; i < clone.input_size(); ++i) {
       if (tensorflow::grappler::IsControlInput(clone.input(i))) continue;
       const tensorflow::TensorId id = tensorflow::ParseTensorName(clone.input(i));
-      auto found = base.node_index.find(std::string(id.node()));
-      if (found == base.node_index.end()) {
+      auto found = table.node_index.find(std::string(id.node()));
+      if (found == table.node_index.end()) {
         return absl::InternalError(absl::StrCat("recompute: missing input ", clone.input(i)));
       }
       const int producer = found->second;
-      if (clone_node[producer] < 0) continue;
-      clone.set_input(i, TensorRef(CloneName(base.nodes[producer].def->name()), id.index()));
+      if (producer >= n || clone_node[producer] < 0) continue;
+      clone.set_input(i, TensorRef(CloneName(table.nodes[producer].def->name()), id.index()));
       key[r] = std::max(key[r], key[producer]);
       if (trigger[producer] == trigger_node) triggered_by_input = true;
     }
     if (!triggered_by_input) {
-      clone.add_input(absl::StrCat("^", base.nodes[trigger_node].def->name()));
+      clone.add_input(absl::StrCat("^", table.nodes[trigger_node].def->name()));
       ++rewrite->num_triggers;
     }
     rewrite->clone_defs.push_back(std::move(clone));
@@ -151,17 +184,21 @@ absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<in
     info.inputs.clear();
     info.outputs.clear();
     for (int t : original.inputs) {
-      const int producer = base.tensors[t].node;
+      const int producer = table.tensors[t].node;
       const int source = clone_node[producer] >= 0
-                             ? table.nodes[clone_node[producer]].outputs[base.tensors[t].port]
+                             ? table.nodes[clone_node[producer]].outputs[table.tensors[t].port]
                              : t;
       info.inputs.push_back(source);
+      if (edit != nullptr && source < static_cast<int>(edit->tensors)) {
+        edit->SaveConsumers(table, source);
+      }
       table.tensors[source].consumers.push_back(index);
     }
-    table.node_index[info.def->name()] = index;
+    info.control_inputs = original.control_inputs;
+    if (!triggered_by_input) info.control_inputs.push_back(trigger_node);
     table.nodes.push_back(std::move(info));
     for (int t : original.outputs) {
-      TensorInfo tensor = base.tensors[t];
+      TensorInfo tensor = table.tensors[t];
       tensor.node = index;
       tensor.consumers.clear();
       tensor.role = TensorRole::kActivation;
@@ -187,20 +224,25 @@ absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<in
     // Backward consumers read the clone from now on.
     absl::flat_hash_set<int> seen;
     for (int t : original.outputs) {
-      const int port = base.tensors[t].port;
+      const int port = table.tensors[t].port;
       const int new_tensor = table.nodes[index].outputs[port];
       seen.clear();
-      for (int c : base.tensors[t].consumers) {
-        if (chosen[c] || !seen.insert(c).second || !ReadsRecomputedValues(base, flow, c)) continue;
-        for (size_t slot = 0; slot < base.nodes[c].inputs.size(); ++slot) {
-          if (base.nodes[c].inputs[slot] != t) continue;
+      const std::vector<int> consumers = table.tensors[t].consumers;
+      for (int c : consumers) {
+        if (c >= n || chosen[c] || !seen.insert(c).second || !reads_clones(c)) continue;
+        for (size_t slot = 0; slot < table.nodes[c].inputs.size(); ++slot) {
+          if (table.nodes[c].inputs[slot] != t) continue;
+          if (edit != nullptr) {
+            edit->SaveInput(table, c, static_cast<int>(slot));
+            edit->SaveConsumers(table, t);
+          }
           table.nodes[c].inputs[slot] = new_tensor;
           std::vector<int>& old_consumers = table.tensors[t].consumers;
           old_consumers.erase(std::find(old_consumers.begin(), old_consumers.end(), c));
           table.tensors[new_tensor].consumers.push_back(c);
           rewrite->rewires.push_back({c, static_cast<int>(slot),
                                       TensorRef(table.nodes[index].def->name(), port),
-                                      base.nodes[c].def->name()});
+                                      table.nodes[c].def->name()});
         }
       }
     }

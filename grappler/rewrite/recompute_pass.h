@@ -14,6 +14,8 @@
 
 #include <deque>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -54,6 +56,24 @@ struct RecomputeRewrite {
   double added_seconds = 0;  // predicted compute time of all clones
 };
 
+// What an in-place rewrite changed in a table, to take it back: the sizes the
+// tables had, and the old consumer lists and node inputs it overwrote, in order.
+struct TableEdit {
+  size_t nodes = 0, tensors = 0, buffers = 0;
+  std::vector<std::pair<int, std::vector<int>>> consumers;  // tensor, old list
+  std::vector<std::tuple<int, int, int>> inputs;            // node, slot, old tensor
+
+  void Begin(const TensorTable& table);
+  void SaveConsumers(const TensorTable& table, int tensor) {
+    consumers.emplace_back(tensor, table.tensors[tensor].consumers);
+  }
+  void SaveInput(const TensorTable& table, int node, int slot) {
+    inputs.emplace_back(node, slot, table.nodes[node].inputs[slot]);
+  }
+  // Restores `table` to what it was at Begin().
+  void Undo(TensorTable* table) const;
+};
+
 // A consumer reads recomputed values only if it is a backward node that also
 // depends directly on a backward node (a gradient input, or a control edge from
 // one): then it cannot run before the forward pass is over, and neither can a
@@ -73,6 +93,12 @@ int LatestBackwardInput(const TensorTable& table, const ControlFlowInfo& flow, i
 absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
                                    const ControlFlowInfo& flow,
                                    const std::vector<int>& nodes, RecomputeRewrite* rewrite);
+
+// The same, applied to `table` in place (rewrite->table stays empty); `edit`
+// records how to take it back. The planner simulates candidate plans this way.
+absl::Status RecomputeInPlace(TensorTable* table, const std::vector<int>& order,
+                              const ControlFlowInfo& flow, const std::vector<int>& nodes,
+                              RecomputeRewrite* rewrite, TableEdit* edit);
 
 // Applies `rewrite` to `graph`, the GraphDef the base table was built from.
 absl::Status ApplyRecomputeRewrite(const RecomputeRewrite& rewrite,
