@@ -28,6 +28,7 @@ from tfmemopt.config import (  # noqa: E402
 )
 from tfmemopt.report import Report  # noqa: E402
 from tfmemopt.analysis import analyze, analyze_metagraph  # noqa: E402
+from tfmemopt.maxbatch import MaxBatchResult, TrialError, find_max_batch  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -80,6 +81,7 @@ def clear_reports():
 __all__ = [
     "analyze",
     "analyze_metagraph",
+    "MaxBatchResult",
     "MemoryOptimizerConfig",
     "PASS_NAME",
     "Report",
@@ -88,8 +90,10 @@ __all__ = [
     "disable",
     "enable",
     "enabled_config",
+    "find_max_batch",
     "make_config",
     "parse_size",
     "reports",
     "rewriter_config",
+    "TrialError",
 ]
