@@ -11,7 +11,7 @@ step by step, and overhead_at_baseline_max = t_tfmemopt / t_baseline - 1 (median
 Configurations: "baseline" (without tfmemopt) and "tfmemopt" (recompute only:
 enable_swap=False, other fields at their defaults).
 
-Usage: python benchmarks/deep_resnet.py [--batch 256] [--cap-mb 1536] [--max-depth 200]
+Usage: python benchmarks/deep_resnet.py [--batch 128] [--cap-mb 768] [--max-depth 200]
            [--plot peak_vs_depth.png] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:
 {"max_depth_baseline", "max_depth_tfmemopt", "overhead_at_baseline_max", ...}.
@@ -26,33 +26,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import models  # noqa: E402
-from tfmemopt.maxbatch import TrialError, find_max_batch, time_interleaved  # noqa: E402
+from tfmemopt.maxbatch import compare, table  # noqa: E402
 
 # What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
 CONFIGS = {"baseline": None, "tfmemopt": {"enable_swap": False}}
-DEFAULTS = dict(batch=256, width=16, cap_mb=1536, lo=1, max_depth=200, steps=2, rounds=5)
+DEFAULTS = dict(batch=128, width=16, cap_mb=768, lo=1, max_depth=200, steps=2, rounds=5)
 # --quick: a tiny network and cap, so that a test can run the whole benchmark fast.
 QUICK = dict(batch=16, width=8, cap_mb=64, lo=2, max_depth=4, steps=2, rounds=2)
-
-
-def _mib(n):
-    return f"{n / 2**20:.1f}" if n else "n/a"
-
-
-def _cell(trial):
-    if trial is None:
-        return f"{'':>8} {'':>9} {'':>8}"
-    step = f"{trial.step_seconds:.3f}" if trial.step_seconds is not None else "n/a"
-    return f"{trial.status:>8} {_mib(trial.peak_bytes):>9} {step:>8}"
-
-
-def print_table(results):
-    depths = sorted({t.size for r in results.values() for t in r.trials})
-    names = list(results)
-    print(f"\n{'depth':>6} | " + " | ".join(
-        f"{name + ': status':>8} {'peak MiB':>9} {'s/iter':>8}" for name in names))
-    for depth in depths:
-        print(f"{depth:>6} | " + " | ".join(_cell(results[n].trial(depth)) for n in names))
 
 
 def plot(results, cap_mb, batch, path):
@@ -107,56 +87,38 @@ def main():
     print(f"deep_resnet: CIFAR ResNet (width {settings['width']}), batch {batch}, cap "
           f"{cap_mb} MiB, depths {settings['lo']}..{settings['max_depth']} (doubling, then "
           f"bisection), {settings['steps']} steps per trial", flush=True)
-    results, error = {}, None
-    for name, fields in CONFIGS.items():
-        try:
-            results[name] = find_max_batch(
-                models.cifar_resnet, settings["lo"], settings["max_depth"], cap_mb=cap_mb,
-                steps=settings["steps"], strategy="grow", step_kwargs=step_kwargs,
-                use_tfmemopt=fields is not None, **(fields or {}))
-        except TrialError as err:
-            results[name], error = err.result, str(err)
-            break
-    print_table(results)
+    comparison = compare(
+        models.cifar_resnet, settings["lo"], settings["max_depth"],
+        {name: {"fields": fields} for name, fields in CONFIGS.items()}, "baseline",
+        cap_mb=cap_mb, steps=settings["steps"], strategy="grow", step_kwargs=step_kwargs,
+        rounds=settings["rounds"])
+    results = comparison.searches
+    print("\n" + table(results, "depth"))
     base = results["baseline"].max_batch
-    opt = results["tfmemopt"].max_batch if "tfmemopt" in results else None
-
-    timing, overhead = {}, None
-    if error is None and base is not None:
-        timing = time_interleaved(
-            models.cifar_resnet, base, {n: {"fields": f} for n, f in CONFIGS.items()},
-            cap_mb=cap_mb, rounds=settings["rounds"], step_kwargs=step_kwargs)
-        medians = {n: t.median_seconds for n, t in timing.items()}
-        if None not in medians.values():
-            overhead = medians["tfmemopt"] / medians["baseline"] - 1
-        print(f"\nstep time at the baseline's largest depth ({base}), "
-              f"{settings['rounds']} interleaved steps each (median):")
-        for name, t in timing.items():
-            seconds = f"{t.median_seconds:.3f} s" if t.median_seconds is not None else "n/a"
-            print(f"  {name:<9} {seconds}  {t.status}{': ' + t.error if t.error else ''}")
+    if comparison.timing:
+        print("\n" + comparison.timing_text("depth"))
     print()
     for name, result in results.items():
         limit = ("" if result.min_failing_batch is not None or result.max_batch is None
                  else f" (depth {settings['max_depth']} trains: the limit is above --max-depth)")
         print(f"largest depth {name}: {result.max_batch}{limit}")
+    overhead = comparison.overhead.get("tfmemopt")
     if overhead is not None:
         print(f"overhead at the baseline's largest depth: {overhead * 100:+.1f} %")
-    if error:
-        print(f"search stopped: {error}")
+    if comparison.error:
+        print(f"search stopped: {comparison.error}")
     if args.plot:
         print(f"wrote {plot(results, cap_mb, batch, args.plot)}")
     if args.json:
         print(json.dumps({
             "max_depth_baseline": base,
-            "max_depth_tfmemopt": opt,
+            "max_depth_tfmemopt": results["tfmemopt"].max_batch if "tfmemopt" in results else None,
             "overhead_at_baseline_max": overhead,
             "settings": settings,
             "configs": CONFIGS,
-            "searches": {n: r.brief() for n, r in results.items()},
-            "timing": {n: t.brief() for n, t in timing.items()},
-            "error": error,
+            **comparison.brief(),
         }))
-    return 1 if error else 0
+    return 1 if comparison.error else 0
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ TF reads its allocator settings (TF_CPU_ALLOCATOR_USE_BFC, TF_CPU_BFC_MEM_LIMIT_
 once at start-up, and a trial that ran out of memory leaves nothing behind.
 
 A trial ends in one of four ways: "ok" (every step ran), "oom" (TF raised
-ResourceExhaustedError), "error" (any other exception, or the interpreter died) or
-"timeout". Only "oom" counts as "too big": anything else stops the search with a
-TrialError, since it says nothing about memory.
+ResourceExhaustedError, or the interpreter died right after TF's allocator logged that
+it ran out of memory: see _died), "error" (any other exception, or any other death of
+the interpreter) or "timeout". Only "oom" counts as "too big": anything else stops the
+search with a TrialError, since it says nothing about memory.
 
 `time_interleaved(...)` times the steps of several configurations at one size in the
 same run, alternating between them, so that a change in machine load hits them all.
@@ -69,7 +70,9 @@ class Trial:
     timeline), when tfmemopt was enabled. graphs: every graph the pass reported
     ({graph_id, num_nodes, graph_changed}; empty without tfmemopt). grappler: the
     Grappler optimizers that ran on each graph with their results, from TF's
-    meta-optimizer log (only with grappler_log=True).
+    meta-optimizer log (only with grappler_log=True). rewrite_options: what the
+    trial's tf.function calls hand to Grappler ({memory_optimization,
+    custom_optimizers}), read back from the eager context after the steps.
     """
 
     size: int
@@ -82,6 +85,7 @@ class Trial:
     report: dict = None
     graphs: list = None
     config: dict = None
+    rewrite_options: dict = None
     grappler: dict = None
 
     @property
@@ -281,7 +285,9 @@ def _trial_env(cap_mb, grappler_log):
     env = dict(os.environ)
     if cap_mb is not None:
         env.update(TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPU_BFC_MEM_LIMIT_IN_MB=str(cap_mb))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    # TF's allocator warnings (level 1) tell an out-of-memory crash from another one.
+    if env.get("TF_CPP_MIN_LOG_LEVEL") not in ("0", "1"):
+        env["TF_CPP_MIN_LOG_LEVEL"] = "1"
     if grappler_log:
         # The meta-optimizer logs every optimizer it runs on every graph at VLOG 1.
         env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="meta_optimizer=1")
@@ -317,6 +323,30 @@ def _parse_result(stdout):
     return None
 
 
+def _died(size, seconds, config, returncode, stderr):
+    """The Trial of an interpreter that exited without a result.
+
+    Seen with TF 2.21 under a capped BFC allocator: when an allocation fails, TF
+    usually raises ResourceExhaustedError, but sometimes the process dies instead
+    (SIGSEGV): after a tf.constant of a NumPy array that does not fit, and at times
+    after a oneDNN kernel's OOM (OP_REQUIRES ... RESOURCE_EXHAUSTED) in a deep
+    network. When TF's allocator logged that it ran out of memory before the
+    process died, the trial counts as out of memory; any other death is an error.
+    """
+    signal = f" (signal {-returncode})" if returncode < 0 else ""
+    oom_lines = [line.split("] ", 1)[-1].strip() for line in stderr.splitlines()
+                 if "ran out of memory trying to allocate" in line
+                 or "RESOURCE_EXHAUSTED" in line]
+    if oom_lines:
+        return Trial(size, "oom", seconds, config=config,
+                     error=f"{oom_lines[-1][:300]} (then the process died with exit code "
+                           f"{returncode}{signal} instead of raising ResourceExhaustedError; "
+                           f"counted as out of memory)")
+    return Trial(size, "error", seconds, config=config,
+                 error=f"the trial's interpreter exited with code {returncode}{signal} "
+                       f"without a result; stderr: {_tail(stderr)}")
+
+
 def run_trial(make_step, size, cap_mb=None, steps=2, timeout=DEFAULT_TIMEOUT, *,
               use_tfmemopt=True, memory_optimization=None, step_kwargs=None,
               grappler_log=False, **fields):
@@ -344,19 +374,7 @@ def _run(ref, size, cap_mb, steps, timeout, config, step_kwargs, grappler_log):
     seconds = time.perf_counter() - start
     data = _parse_result(proc.stdout)
     if data is None:
-        # The interpreter died before reporting: a crash, an abort, or a kill.
-        hint = ""
-        if "ran out of memory" in proc.stderr:
-            # Seen with TF 2.21: an eager tensor made from a NumPy array (e.g. tf.constant
-            # of the input batch) that does not fit the cap crashes the process (SIGSEGV)
-            # instead of raising ResourceExhaustedError.
-            hint = (" (TF's allocator ran out of memory, then the process died instead of "
-                    "raising ResourceExhaustedError: TF does that when a tensor made "
-                    "outside any op, such as tf.constant of a NumPy batch, does not fit; "
-                    "make such inputs smaller than the cap or build them with TF ops)")
-        return Trial(size, "error", seconds, config=config,
-                     error=f"the trial's interpreter exited with code {proc.returncode} "
-                           f"without a result{hint}; stderr: {_tail(proc.stderr)}")
+        return _died(size, seconds, config, proc.returncode, proc.stderr)
     trial = Trial(size=size, seconds=seconds, config=config, **data)
     if grappler_log:
         trial.grappler = _grappler_runs(proc.stderr)
@@ -652,6 +670,115 @@ def time_interleaved(make_step, size, configs, cap_mb=None, rounds=5, steps_per_
 
 
 # ---------------------------------------------------------------------------
+# Searches and timing of several configurations, and their table
+
+
+@dataclasses.dataclass
+class Comparison:
+    """What compare() found: a search per configuration, the timing of each at the
+    baseline's largest size, and overhead[name] = t_name / t_baseline - 1 (medians;
+    None where a timing failed). error: the TrialError that stopped the searches."""
+
+    searches: dict
+    baseline: str
+    size: int = None
+    timing: dict = dataclasses.field(default_factory=dict)
+    overhead: dict = dataclasses.field(default_factory=dict)
+    error: str = None
+
+    def timing_text(self, size_label="batch"):
+        """The timing as lines of text ("" if nothing was timed)."""
+        if not self.timing:
+            return ""
+        rounds = max(len(t.step_times) for t in self.timing.values())
+        lines = [f"step time at {self.baseline}'s largest {size_label} ({self.size}), "
+                 f"interleaved, median of {rounds} steps each:"]
+        for name, t in self.timing.items():
+            seconds = f"{t.median_seconds:.3f} s" if t.median_seconds is not None else "n/a"
+            over = self.overhead.get(name)
+            over = f" ({over * 100:+.1f} %)" if over is not None else ""
+            error = f": {t.error}" if t.error else ""
+            lines.append(f"  {name:<25} {seconds}{over}  {t.status}{error}")
+        return "\n".join(lines)
+
+    def max_sizes(self):
+        return {name: result.max_batch for name, result in self.searches.items()}
+
+    def brief(self):
+        return {"max": self.max_sizes(), "timed_size": self.size, "overhead": self.overhead,
+                "searches": {n: r.brief() for n, r in self.searches.items()},
+                "timing": {n: t.brief() for n, t in self.timing.items()},
+                "error": self.error}
+
+
+def compare(make_step, lo, hi, configs, baseline, cap_mb=None, steps=2, strategy="bisect",
+            step_kwargs=None, rounds=5, grappler_log=False, progress=True, timed=None):
+    """Searches the largest size of each configuration, then times them at the
+    baseline configuration's largest size, interleaved (time_interleaved).
+
+    configs: {name: {"fields": dict or None, "memory_optimization": str or None}} as
+    for time_interleaved; baseline: one of its names; timed: the names timed against
+    it (default: all). Searches stop at the first TrialError (Comparison.error says
+    which); then nothing is timed.
+    """
+    if baseline not in configs:
+        raise ValueError(f"tfmemopt: baseline={baseline!r}; allowed: one of "
+                         f"{', '.join(map(repr, configs))}")
+    timed = list(configs) if timed is None else list(timed)
+    unknown = [name for name in timed if name not in configs]
+    if unknown:
+        raise ValueError(f"tfmemopt: timed={unknown!r}; allowed: names of configs "
+                         f"({', '.join(map(repr, configs))})")
+    out = Comparison({}, baseline)
+    for name, config in configs.items():
+        fields = config.get("fields")
+        try:
+            out.searches[name] = find_max_batch(
+                make_step, lo, hi, cap_mb=cap_mb, steps=steps, progress=progress,
+                use_tfmemopt=fields is not None,
+                memory_optimization=config.get("memory_optimization"), strategy=strategy,
+                step_kwargs=step_kwargs, grappler_log=grappler_log, **(fields or {}))
+        except TrialError as err:
+            out.searches[name], out.error = err.result, f"{name}: {err}"
+            return out
+    out.size = out.searches[baseline].max_batch
+    timed = [baseline] + [name for name in timed if name != baseline]
+    if out.size is None or len(timed) < 2:
+        return out
+    out.timing = time_interleaved(make_step, out.size, {n: configs[n] for n in timed},
+                                  cap_mb=cap_mb, rounds=rounds, step_kwargs=step_kwargs,
+                                  progress=progress)
+    base = out.timing[baseline].median_seconds
+    for name, timing in out.timing.items():
+        if name != baseline:
+            out.overhead[name] = (timing.median_seconds / base - 1
+                                  if base and timing.median_seconds is not None else None)
+    return out
+
+
+def table(searches, size_label="batch"):
+    """Every size tried, one row each: per search, status, measured peak and s/step."""
+    sizes = sorted({t.size for r in searches.values() for t in r.trials})
+    width = max([24] + [len(name) for name in searches])
+    lines = [f"{'':>7} | " + " | ".join(f"{name:^{width}}" for name in searches),
+             f"{size_label:>7} | " + " | ".join(
+                 f"{'status':>6} {'peak MiB':>9} {'s/step':>{width - 17}}" for _ in searches)]
+    lines.append("-" * len(lines[-1]))
+    for size in sizes:
+        cells = []
+        for result in searches.values():
+            trial = result.trial(size)
+            if trial is None:
+                cells.append(" " * width)
+                continue
+            peak = f"{trial.peak_bytes / 2**20:.1f}" if trial.peak_bytes else "n/a"
+            step = f"{trial.step_seconds:.3f}" if trial.step_seconds is not None else "n/a"
+            cells.append(f"{trial.status:>6} {peak:>9} {step:>{width - 17}}")
+        lines.append(f"{size:>7} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
 # The trial interpreter
 
 
@@ -703,7 +830,11 @@ def _failure(err):
     import tensorflow as tf
 
     if isinstance(err, tf.errors.ResourceExhaustedError):
-        return "oom", str(err).strip().splitlines()[0][:300]
+        # TF's first line is often just "Graph execution error:"; the line that names
+        # the tensor and the allocator is the useful one.
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        useful = [line for line in lines if "OOM when allocating" in line]
+        return "oom", (useful or lines or ["ResourceExhaustedError"])[0][:300]
     lines = traceback.format_exception(type(err), err, err.__traceback__)
     return "error", f"{type(err).__name__}: {str(err).strip()[:500]}\n" + _tail("".join(lines))
 
@@ -768,7 +899,16 @@ def _peak_and_reports(config):
     except Exception:  # no BFC allocator: TF cannot tell the peak
         pass
     import tfmemopt
+    from tensorflow.core.protobuf import rewriter_config_pb2
 
+    from tfmemopt import _eager_context
+
+    rewrite = _eager_context.current_rewrite_options()
+    out["rewrite_options"] = {
+        "memory_optimization": rewriter_config_pb2.RewriterConfig.MemOptType.Name(
+            rewrite.memory_optimization),
+        "custom_optimizers": [c.name for c in rewrite.custom_optimizers],
+    }
     # Without tfmemopt this stays empty: the pass is registered (this module is part of
     # the package) but runs only where a config lists it.
     reports = [r.to_dict() for r in tfmemopt.reports()]
