@@ -30,13 +30,13 @@ from tfmemopt.maxbatch import compare, table  # noqa: E402
 
 # What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
 CONFIGS = {"baseline": None, "tfmemopt": {"enable_swap": False}}
-DEFAULTS = dict(batch=128, width=16, cap_mb=768, lo=1, max_depth=200, steps=2, rounds=5)
+DEFAULTS = dict(batch=128, width=16, cap_mb=768, lo=1, max_depth=200, steps=2, rounds=10)
 # --quick: a tiny network and cap, so that a test can run the whole benchmark fast.
 QUICK = dict(batch=16, width=8, cap_mb=64, lo=2, max_depth=4, steps=2, rounds=2)
 
 
 def plot(results, cap_mb, batch, path):
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import MaxNLocator
 
     from tfmemopt.report import _matplotlib
 
@@ -54,8 +54,7 @@ def plot(results, cap_mb, batch, path):
             ax.plot(oom, [cap_mb] * len(oom), "x", color=color, markersize=10,
                     label=f"{name}: out of memory")
     ax.axhline(cap_mb, color="#c44e52", linestyle="--", linewidth=1, label=f"cap {cap_mb} MiB")
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("residual blocks (depth)")
     ax.set_ylabel("measured BFC peak (MiB)")
     ax.set_title(f"CIFAR ResNet, batch {batch}: peak memory vs depth")

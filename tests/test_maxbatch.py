@@ -59,8 +59,11 @@ def step_with_numpy_data(mib):
 
 
 def test_the_search_finds_the_boundary_between_training_and_oom():
-    result = tfmemopt.find_max_batch(wide_mlp_step, 1, 4, cap_mb=CAP_MB, progress=False,
-                                     use_tfmemopt=False)
+    # ANALYZE_ONLY: the pass reports but never changes the graph, so the boundary is
+    # TF's own; the fields and the built-in level must reach every trial.
+    result = tfmemopt.find_max_batch(
+        wide_mlp_step, 1, 4, cap_mb=CAP_MB, progress=False, mode="ANALYZE_ONLY",
+        log_level=0, memory_optimization="NO_MEM_OPT", grappler_log=True)
     ok = [t.size for t in result.trials if t.status == "ok"]
     oom = [t.size for t in result.trials if t.status == "oom"]
     assert sorted(ok + oom) == sorted(t.size for t in result.trials)  # nothing else
@@ -68,27 +71,18 @@ def test_the_search_finds_the_boundary_between_training_and_oom():
     assert max(ok) < min(oom)
     assert result.max_batch == max(ok)
     assert result.min_failing_batch == min(oom) == result.max_batch + 1
+    assert "OOM when allocating tensor" in result.trial(min(oom)).error
+
     best = result.trial(result.max_batch)
     assert 0 < best.peak_bytes <= CAP_MB * 2**20
     assert len(best.step_times) == 2 and best.step_seconds == best.step_times[1] > 0
-    assert best.graphs == []  # the pass did not run
-    assert best.rewrite_options == {"memory_optimization": "DEFAULT_MEM_OPT",
-                                    "custom_optimizers": []}
-    assert "OOM when allocating tensor" in result.trial(min(oom)).error
-
-
-def test_fields_reach_tfmemopt_enable_in_the_trial():
-    trial = maxbatch.run_trial(wide_mlp_step, 1, cap_mb=CAP_MB, mode="ANALYZE_ONLY",
-                               log_level=0, memory_optimization="NO_MEM_OPT",
-                               grappler_log=True)
-    assert trial.ok, trial.error
-    assert trial.report["graph_id"].startswith("__inference_train_step")
-    assert trial.report["mode"] == "ANALYZE_ONLY"
-    assert trial.report["devices"][0]["memory_bytes"] == CAP_MB * 2**20
-    assert "timeline" not in trial.report
-    assert trial.rewrite_options == {"memory_optimization": "NO_MEM_OPT",
-                                     "custom_optimizers": ["TfMemOpt"]}
-    step_log = [runs for graph, runs in trial.grappler.items()
+    assert best.report["graph_id"].startswith("__inference_train_step")
+    assert best.report["mode"] == "ANALYZE_ONLY"
+    assert best.report["devices"][0]["memory_bytes"] == CAP_MB * 2**20
+    assert "timeline" not in best.report
+    assert best.rewrite_options == {"memory_optimization": "NO_MEM_OPT",
+                                    "custom_optimizers": ["TfMemOpt"]}
+    step_log = [runs for graph, runs in best.grappler.items()
                 if graph.startswith("__inference_train_step")][0]
     names = [line.split(":")[0] for line in step_log]
     assert "TfMemOpt" in names and "memory_optimizer" not in names
@@ -199,6 +193,10 @@ def test_cli_maxbatch_bad_script_exits_2_with_one_line(capsys, tmp_path):
     assert cli_main(["maxbatch", str(script), "--lo", "8", "--hi", "4"]) == 2
     assert capsys.readouterr().err == ("tfmemopt maxbatch: --hi 4 is below --lo 8; "
                                        "expected 1 <= lo <= hi\n")
+    assert cli_main(["maxbatch", str(script), "--budget", "2.0"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "tfmemopt maxbatch: --budget 2.0: budget=2.0 is a float, i.e. a fraction of device "
+        "memory, and must be in (0, 1]")
 
 
 def test_deep_resnet_quick_json_is_the_last_line(tmp_path):
