@@ -31,8 +31,9 @@ from tfmemopt.maxbatch import compare, table  # noqa: E402
 # What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
 CONFIGS = {"baseline": None, "tfmemopt": {"enable_swap": False}}
 DEFAULTS = dict(batch=128, width=16, cap_mb=768, lo=1, max_depth=200, steps=2, rounds=10)
-# --quick: a tiny network and cap, so that a test can run the whole benchmark fast.
-QUICK = dict(batch=16, width=8, cap_mb=64, lo=2, max_depth=4, steps=2, rounds=2)
+# --quick: a tiny network, one trial per configuration and two timed steps, so that a
+# test can run the whole benchmark fast.
+QUICK = dict(batch=16, width=8, cap_mb=64, lo=2, max_depth=2, steps=2, rounds=2)
 
 
 def plot(results, cap_mb, batch, path):

@@ -31,9 +31,9 @@ from tfmemopt.maxbatch import compare, table  # noqa: E402
 # What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
 CONFIGS = {"baseline": None, "tfmemopt": {"enable_recompute": False}}
 DEFAULTS = dict(size=64, cap_mb=1024, lo=16, hi=1024, steps=2, rounds=10)
-# --quick: small images, cap and range, so that a test could run it (ResNet-50's graph
-# still takes tens of seconds to build in each trial).
-QUICK = dict(size=32, cap_mb=512, lo=2, hi=4, steps=2, rounds=2)
+# --quick: small images, one trial per configuration and two timed steps (ResNet-50's
+# graph still takes tens of seconds to build in each trial).
+QUICK = dict(size=32, cap_mb=512, lo=2, hi=2, steps=2, rounds=2)
 
 
 def main():
