@@ -104,7 +104,7 @@ def main():
         print(f"largest depth {name}: {result.max_batch}{limit}")
     overhead = comparison.overhead.get("tfmemopt")
     if overhead is not None:
-        print(f"overhead at the baseline's largest depth: {overhead * 100:+.1f} %")
+        print(f"overhead at depth {comparison.size}: {overhead * 100:+.1f} %")
     if comparison.error:
         print(f"search stopped: {comparison.error}")
     if args.plot:

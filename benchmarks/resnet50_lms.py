@@ -72,7 +72,7 @@ def main():
         print(f"largest batch {name}: {result.max_batch}{limit}")
     overhead = comparison.overhead.get("tfmemopt")
     if overhead is not None:
-        print(f"overhead at the baseline's largest batch: {overhead * 100:+.1f} %")
+        print(f"overhead at batch {comparison.size}: {overhead * 100:+.1f} %")
     if comparison.error:
         print(f"search stopped: {comparison.error}")
     if args.json:

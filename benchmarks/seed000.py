@@ -155,7 +155,7 @@ def main():
     floor = floor_batch(results, cap_mb)
     print(f"\nfloor_batch: {floor if floor is not None else 'not computed (TODO: needs a per-op working-set field in the report)'}")
     if overhead is not None:
-        print(f"overhead of TFMEMOPT at {BASELINE}'s largest batch: {overhead * 100:+.1f} %")
+        print(f"overhead of TFMEMOPT at batch {comparison.size}: {overhead * 100:+.1f} %")
     for option, result in results.items():
         if result.max_batch is not None and result.min_failing_batch is None:
             print(f"{option}: batch {settings['hi']} trains: the limit is above --hi")

@@ -567,23 +567,28 @@ class _Worker:
         return None
 
     def _died(self):
+        """Status and error of a worker that died, classified as for trials."""
         self.proc.wait()
         self.stderr.seek(0)
-        return (f"the trial's interpreter exited with code {self.proc.returncode}; "
-                f"stderr: {_tail(self.stderr.read())}")
+        trial = _died(0, 0.0, self.config, self.proc.returncode, self.stderr.read())
+        return trial.status, trial.error
 
     def ready(self):
         self.first = self._read(_RESULT_MARK)
         if self.first is None:
-            self.first = {"status": "error", "error": self._died()}
+            status, error = self._died()
+            self.first = {"status": status, "error": error}
         return self.first["status"] == "ok"
 
     def run(self, steps):
-        self.proc.stdin.write(f"steps {steps}\n")
-        self.proc.stdin.flush()
-        reply = self._read(_TIMES_MARK)
+        try:
+            self.proc.stdin.write(f"steps {steps}\n")
+            self.proc.stdin.flush()
+            reply = self._read(_TIMES_MARK)
+        except OSError:  # the worker is gone (broken pipe)
+            reply = None
         if reply is None:
-            self.error = self._died()
+            self.first["status"], self.error = self._died()
             return False
         self.times.extend(reply["times"])
         if reply["status"] != "ok":
@@ -675,9 +680,10 @@ def time_interleaved(make_step, size, configs, cap_mb=None, rounds=5, steps_per_
 
 @dataclasses.dataclass
 class Comparison:
-    """What compare() found: a search per configuration, the timing of each at the
-    baseline's largest size, and overhead[name] = t_name / t_baseline - 1 (medians;
-    None where a timing failed). error: the TrialError that stopped the searches."""
+    """What compare() found: a search per configuration, the timing of each at `size`
+    (the baseline's largest, or the next below it if that ran out of memory when timed;
+    notes say so), and overhead[name] = t_name / t_baseline - 1 (medians; None where a
+    timing failed). error: the TrialError that stopped the searches."""
 
     searches: dict
     baseline: str
@@ -685,14 +691,19 @@ class Comparison:
     timing: dict = dataclasses.field(default_factory=dict)
     overhead: dict = dataclasses.field(default_factory=dict)
     error: str = None
+    notes: list = dataclasses.field(default_factory=list)
 
     def timing_text(self, size_label="batch"):
         """The timing as lines of text ("" if nothing was timed)."""
         if not self.timing:
             return ""
         rounds = max(len(t.step_times) for t in self.timing.values())
-        lines = [f"step time at {self.baseline}'s largest {size_label} ({self.size}), "
-                 f"interleaved, median of {rounds} steps each:"]
+        largest = self.searches[self.baseline].max_batch
+        where = (f"{self.baseline}'s largest {size_label} ({self.size})" if self.size == largest
+                 else f"{size_label} {self.size}, the next below {self.baseline}'s largest "
+                      f"({largest})")
+        lines = [f"  note: {note}" for note in self.notes]
+        lines.insert(0, f"step time at {where}, interleaved, median of {rounds} steps each:")
         for name, t in self.timing.items():
             seconds = f"{t.median_seconds:.3f} s" if t.median_seconds is not None else "n/a"
             over = self.overhead.get(name)
@@ -706,6 +717,7 @@ class Comparison:
 
     def brief(self):
         return {"max": self.max_sizes(), "timed_size": self.size, "overhead": self.overhead,
+                "notes": self.notes,
                 "searches": {n: r.brief() for n, r in self.searches.items()},
                 "timing": {n: t.brief() for n, t in self.timing.items()},
                 "error": self.error}
@@ -741,13 +753,22 @@ def compare(make_step, lo, hi, configs, baseline, cap_mb=None, steps=2, strategy
         except TrialError as err:
             out.searches[name], out.error = err.result, f"{name}: {err}"
             return out
-    out.size = out.searches[baseline].max_batch
     timed = [baseline] + [name for name in timed if name != baseline]
-    if out.size is None or len(timed) < 2:
+    # Near the limit the peak moves with the executor's order, so the baseline's largest
+    # size may run out of memory when timed; then the next size below that trained in
+    # its search is timed instead (Comparison.size says which; notes say why).
+    sizes = sorted((t.size for t in out.searches[baseline].trials if t.ok), reverse=True)
+    if not sizes or len(timed) < 2:
         return out
-    out.timing = time_interleaved(make_step, out.size, {n: configs[n] for n in timed},
-                                  cap_mb=cap_mb, rounds=rounds, step_kwargs=step_kwargs,
-                                  progress=progress)
+    for size in sizes[:2]:
+        out.size = size
+        out.timing = time_interleaved(make_step, size, {n: configs[n] for n in timed},
+                                      cap_mb=cap_mb, rounds=rounds, step_kwargs=step_kwargs,
+                                      progress=progress)
+        oom = [n for n, t in out.timing.items() if t.status == "oom"]
+        if not oom:
+            break
+        out.notes.append(f"timing at size {size}: {', '.join(oom)} ran out of memory")
     base = out.timing[baseline].median_seconds
     for name, timing in out.timing.items():
         if name != baseline:
