@@ -29,6 +29,7 @@ from tfmemopt.config import (  # noqa: E402
 from tfmemopt.report import Report  # noqa: E402
 from tfmemopt.analysis import analyze, analyze_metagraph  # noqa: E402
 from tfmemopt.hints import recompute_scope  # noqa: E402
+from tfmemopt.maxbatch import MaxBatchResult, TrialError, find_max_batch  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -94,6 +95,7 @@ def host_memory_stats(reset_peak=False):
 __all__ = [
     "analyze",
     "analyze_metagraph",
+    "MaxBatchResult",
     "MemoryOptimizerConfig",
     "PASS_NAME",
     "Report",
@@ -102,10 +104,12 @@ __all__ = [
     "disable",
     "enable",
     "enabled_config",
+    "find_max_batch",
     "host_memory_stats",
     "make_config",
     "parse_size",
     "reports",
     "recompute_scope",
     "rewriter_config",
+    "TrialError",
 ]

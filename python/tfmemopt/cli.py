@@ -1,4 +1,4 @@
-"""The tfmemopt command line: `tfmemopt demo`, `tfmemopt analyze`.
+"""The tfmemopt command line: `tfmemopt demo`, `tfmemopt analyze`, `tfmemopt maxbatch`.
 
 Exit codes: 0 success, 1 the job ran but failed, 2 bad usage or input.
 """
@@ -266,6 +266,84 @@ def _analyze(args):
     return 0 if report.status == "ok" else 1
 
 
+def _size_or_none(n):
+    return f"{n:,}" if n is not None else "-"
+
+
+def _maxbatch_row(name, result):
+    best = result.trial(result.max_batch) if result.max_batch is not None else None
+    peak = _format_mib(best.peak_bytes) if best and best.peak_bytes else "n/a"
+    step = f"{best.step_seconds:.3f}" if best and best.step_seconds is not None else "n/a"
+    return (f"{name:<17} | {_size_or_none(result.max_batch):>9} | "
+            f"{_size_or_none(result.min_failing_batch):>12} | {peak:>12} | {step:>8} | "
+            f"{len(result.trials):>6} | {result.seconds:>7.1f}")
+
+
+def _maxbatch(args):
+    import tfmemopt
+    from tfmemopt.maxbatch import TrialError, find_max_batch, step_reference
+
+    try:
+        step_reference(args.script)
+    except ValueError as err:
+        raise _InputError(str(err).removeprefix("tfmemopt: ")) from None
+    if args.hi < args.lo:
+        raise _InputError(f"--hi {args.hi} is below --lo {args.lo}; expected 1 <= lo <= hi")
+    fields = {}
+    if args.budget is not None:
+        fields["budget"] = _budget_arg(args.budget)
+        try:
+            tfmemopt.make_config(**fields)
+        except (ValueError, TypeError) as err:
+            raise _InputError(f"--budget {args.budget}: "
+                              f"{str(err).removeprefix('tfmemopt: ')}") from None
+    print(f"tfmemopt maxbatch: {args.script}, sizes {args.lo}..{args.hi}, CPU allocator "
+          f"capped at {args.cap_mb} MiB, {args.steps} steps per trial, one subprocess "
+          f"per trial", flush=True)
+    runs = [("with tfmemopt", True)]
+    if not args.no_baseline:
+        runs.insert(0, ("without tfmemopt", False))
+    results, failed = {}, None
+    for name, use in runs:
+        try:
+            results[name] = find_max_batch(
+                args.script, args.lo, args.hi, cap_mb=args.cap_mb, steps=args.steps,
+                timeout=args.timeout, strategy=args.strategy, use_tfmemopt=use,
+                **(fields if use else {}))
+        except TrialError as err:
+            failed = (name, err)
+            results[name] = err.result
+            break
+    print(f"\n{'':<17} | {'max batch':>9} | {'smallest OOM':>12} | {'peak at max':>12} | "
+          f"{'s/step':>8} | {'trials':>6} | {'seconds':>7}")
+    for name, result in results.items():
+        print(_maxbatch_row(name, result))
+    ratio = None
+    base, opt = results.get("without tfmemopt"), results.get("with tfmemopt")
+    if failed:
+        name, err = failed
+        print(f"\n{name}: {err}")
+    else:
+        for name, result in results.items():
+            if result.max_batch is None:
+                print(f"{name}: batch {args.lo} (--lo) does not fit: nothing in range trains")
+            elif result.min_failing_batch is None:
+                print(f"{name}: batch {args.hi} (--hi) trains: the limit is higher; "
+                      f"raise --hi")
+        if base and opt and base.max_batch and opt.max_batch is not None:
+            ratio = opt.max_batch / base.max_batch
+            print(f"\nlargest batch with tfmemopt / without: {ratio:.2f}x")
+    if args.json:
+        print(json.dumps({
+            "script": args.script, "cap_mb": args.cap_mb, "lo": args.lo, "hi": args.hi,
+            "baseline": base.to_dict() if base else None,
+            "tfmemopt": opt.to_dict() if opt else None,
+            "ratio": ratio,
+            "error": str(failed[1]) if failed else None,
+        }))
+    return 1 if failed else 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="tfmemopt",
@@ -311,6 +389,39 @@ def build_parser():
     analyze.add_argument("--html", metavar="OUT.html",
                          help="write a standalone HTML report (needs matplotlib)")
     analyze.set_defaults(run=_analyze)
+    maxbatch = sub.add_parser(
+        "maxbatch", help="find the largest batch that trains under a capped allocator, "
+                         "with and without tfmemopt",
+        description="Binary-search the largest batch that trains under a capped CPU "
+                    "allocator (TF_CPU_ALLOCATOR_USE_BFC, TF_CPU_BFC_MEM_LIMIT_IN_MB), "
+                    "without and with tfmemopt, one subprocess per trial. SCRIPT defines "
+                    "make_step(batch), returning (step, args) where step(*args) runs one "
+                    "training step (e.g. a tf.function). A trial that fails with anything "
+                    "but ResourceExhaustedError stops the search.",
+        epilog="Exit codes: 0 the searches finished, 1 a trial failed with an error other "
+               "than out-of-memory, 2 bad usage or input.")
+    maxbatch.add_argument("script", metavar="SCRIPT",
+                          help="a Python script that defines make_step(batch) "
+                               "(SCRIPT:FUNCTION names another function)")
+    maxbatch.add_argument("--lo", type=int, default=1, help="smallest batch (default 1)")
+    maxbatch.add_argument("--hi", type=int, default=4096, help="largest batch (default 4096)")
+    maxbatch.add_argument("--cap-mb", type=int, default=1024,
+                          help="CPU allocator cap in MiB (default 1024)")
+    maxbatch.add_argument("--budget", metavar="SIZE",
+                          help="tfmemopt budget: bytes or a size like 2GiB or 512MB, or a "
+                               "fraction of device memory like 0.8 (default 0.9)")
+    maxbatch.add_argument("--steps", type=int, default=2,
+                          help="training steps per trial (default 2)")
+    maxbatch.add_argument("--timeout", type=float, default=900.0,
+                          help="seconds per trial (default 900)")
+    maxbatch.add_argument("--strategy", choices=("bisect", "grow"), default="bisect",
+                          help="bisect: try --lo, --hi, then bisect; grow: try --lo, 2x, "
+                               "4x, ... then bisect (default bisect)")
+    maxbatch.add_argument("--no-baseline", action="store_true",
+                          help="only search with tfmemopt")
+    maxbatch.add_argument("--json", action="store_true",
+                          help="also print both searches as one JSON line, last")
+    maxbatch.set_defaults(run=_maxbatch)
     return parser
 
 
@@ -320,9 +431,10 @@ def main(argv=None):
     if args.command is None:
         parser.print_help()
         return 0
-    for name in ("batch", "cap_mb", "steps"):
+    for name in ("batch", "cap_mb", "steps", "lo", "hi", "timeout"):
         if getattr(args, name, 1) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be a positive "
+                         f"{'number' if name == 'timeout' else 'integer'}, got {getattr(args, name)}")
     if getattr(args, "assume_batch_size", 0) < 0:
         parser.error(f"--assume-batch-size must be >= 0, got {args.assume_batch_size}")
     try:

@@ -1,0 +1,91 @@
+"""Largest ResNet-50 batch under a memory cap, without and with tfmemopt swapping (issue 5).
+
+The seed-003 demo on the CPU test bed: Keras ResNet50(weights=None, 10 classes) on
+synthetic 64x64 images, trained with a GradientTape step and Adam (benchmarks/models.py:
+resnet50), under a capped CPU allocator (TF_CPU_ALLOCATOR_USE_BFC,
+TF_CPU_BFC_MEM_LIMIT_IN_MB). For each configuration, the largest batch that trains is
+searched by doubling from --lo, then bisecting, up to --hi, one subprocess per trial
+(tfmemopt.maxbatch). Then both configurations are timed at the baseline's largest batch
+in the same run, taking turns step by step, and
+overhead_at_baseline_max = t_tfmemopt / t_baseline - 1 (medians).
+
+Configurations: "baseline" (without tfmemopt) and "tfmemopt" (swap only:
+enable_recompute=False, other fields at their defaults).
+
+Usage: python benchmarks/resnet50_lms.py [--cap-mb 1024] [--lo 16] [--hi 1024] [--json] [--quick]
+--json prints one JSON object as the last line of stdout:
+{"max_batch_baseline", "max_batch_tfmemopt", "overhead_at_baseline_max", ...}.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import models  # noqa: E402
+from tfmemopt.maxbatch import compare, table  # noqa: E402
+
+# What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
+CONFIGS = {"baseline": None, "tfmemopt": {"enable_recompute": False}}
+DEFAULTS = dict(size=64, cap_mb=1024, lo=16, hi=1024, steps=2, rounds=10)
+# --quick: small images, one trial per configuration and two timed steps (ResNet-50's
+# graph still takes tens of seconds to build in each trial).
+QUICK = dict(size=32, cap_mb=512, lo=2, hi=2, steps=2, rounds=2)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, help="image height and width")
+    parser.add_argument("--cap-mb", type=int, help="CPU allocator cap in MiB")
+    parser.add_argument("--lo", type=int, help="first batch tried")
+    parser.add_argument("--hi", type=int, help="largest batch tried")
+    parser.add_argument("--steps", type=int, help="training steps per search trial")
+    parser.add_argument("--rounds", type=int, help="timed steps per configuration")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as one JSON line, last")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a small configuration for tests: {QUICK}")
+    args = parser.parse_args()
+    settings = dict(QUICK if args.quick else DEFAULTS)
+    settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
+    cap_mb = settings["cap_mb"]
+
+    print(f"resnet50_lms: Keras ResNet50 on {settings['size']}x{settings['size']} images, cap "
+          f"{cap_mb} MiB, batches {settings['lo']}..{settings['hi']} (doubling, then "
+          f"bisection), {settings['steps']} steps per trial", flush=True)
+    comparison = compare(
+        models.resnet50, settings["lo"], settings["hi"],
+        {name: {"fields": fields} for name, fields in CONFIGS.items()}, "baseline",
+        cap_mb=cap_mb, steps=settings["steps"], strategy="grow",
+        step_kwargs={"size": settings["size"]}, rounds=settings["rounds"])
+    results = comparison.searches
+    print("\n" + table(results))
+    if comparison.timing:
+        print("\n" + comparison.timing_text())
+    print()
+    for name, result in results.items():
+        limit = ("" if result.min_failing_batch is not None or result.max_batch is None
+                 else f" (batch {settings['hi']} trains: the limit is above --hi)")
+        print(f"largest batch {name}: {result.max_batch}{limit}")
+    overhead = comparison.overhead.get("tfmemopt")
+    if overhead is not None:
+        print(f"overhead at batch {comparison.size}: {overhead * 100:+.1f} %")
+    if comparison.error:
+        print(f"search stopped: {comparison.error}")
+    if args.json:
+        print(json.dumps({
+            "max_batch_baseline": results["baseline"].max_batch,
+            "max_batch_tfmemopt": results["tfmemopt"].max_batch if "tfmemopt" in results else None,
+            "overhead_at_baseline_max": overhead,
+            "settings": settings,
+            "configs": CONFIGS,
+            **comparison.brief(),
+        }))
+    return 1 if comparison.error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

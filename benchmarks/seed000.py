@@ -1,0 +1,178 @@
+"""The seed-000 table on the CPU test bed: largest batch per memory optimizer (issue 6).
+
+The seed CNN (conv32-conv64-maxpool-fc128-fc10 on 28x28x1, Adam;
+tfmemopt.demo.seed_cnn_train_step) under a capped CPU allocator (1024 MiB by
+default). For each of TF's built-in Grappler memory_optimization levels, and for
+tfmemopt with its defaults (TFMEMOPT: memory_optimization left at TF's default), the
+largest batch that trains is searched by bisection, one subprocess per trial
+(tfmemopt.maxbatch). Then TFMEMOPT and NO_MEM_OPT are timed at NO_MEM_OPT's largest
+batch in the same run, taking turns step by step:
+overhead_at_baseline_max = t_TFMEMOPT / t_NO_MEM_OPT - 1 (medians).
+
+How the level reaches Grappler: each trial sets RewriterConfig.memory_optimization in
+the eager context's base config (tfmemopt._eager_context, the config that tf.function
+calls hand to Grappler; tf.config.optimizer.set_experimental_options has no key for
+it). Two checks per trial, printed in the "Grappler" column:
+  1. the config the trial's tf.function calls carry is read back after training
+     (Trial.rewrite_options): its memory_optimization must be the level asked for
+     (TFMEMOPT: DEFAULT_MEM_OPT, with TfMemOpt among the custom optimizers);
+  2. TF's meta-optimizer log (TF_CPP_VMODULE=meta_optimizer=1) for the train-step
+     graph must list memory_optimizer for every level but NO_MEM_OPT, and TfMemOpt
+     for TFMEMOPT. The log also tells what memory_optimizer did to the graph
+     ("Graph size after: N nodes (change), M edges (change)").
+
+Usage: python benchmarks/seed000.py [--cap-mb 1024] [--lo 256] [--hi 4096]
+           [--options NAME ...] [--json] [--quick]
+--json prints one JSON object as the last line of stdout:
+{"max_batch": {option: int, ..., "TFMEMOPT": int}, "floor_batch": int or null,
+ "overhead_at_baseline_max": float, ...}.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import models  # noqa: E402
+from tfmemopt.maxbatch import compare, table  # noqa: E402
+
+BUILT_IN = ("NO_MEM_OPT", "DEFAULT_MEM_OPT", "SWAPPING_HEURISTICS",
+            "RECOMPUTATION_HEURISTICS", "SCHEDULING_HEURISTICS", "HEURISTICS")
+OPTIONS = BUILT_IN + ("TFMEMOPT",)
+BASELINE = "NO_MEM_OPT"
+DEFAULTS = dict(cap_mb=1024, lo=256, hi=4096, steps=2, rounds=10, options=list(OPTIONS))
+# --quick: two options, one trial each and two timed steps, so that a test can run it fast.
+QUICK = dict(cap_mb=256, lo=64, hi=64, steps=2, rounds=2, options=[BASELINE, "TFMEMOPT"])
+_STEP_GRAPH = "__inference_train_step"
+_SIZE_CHANGE = re.compile(r"Graph size after: \d+ nodes \((-?\d+)\), \d+ edges \((-?\d+)\)")
+
+
+def config(option):
+    """find_max_batch / time_interleaved keywords of an option."""
+    if option == "TFMEMOPT":
+        return {"fields": {}, "memory_optimization": None}
+    return {"fields": None, "memory_optimization": option}
+
+
+def grappler_check(option, trial):
+    """(passed, what was seen) for one trial: see the module docstring."""
+    rewrite = trial.rewrite_options or {}
+    want_level = "DEFAULT_MEM_OPT" if option == "TFMEMOPT" else option
+    problems = []
+    if rewrite.get("memory_optimization") != want_level:
+        problems.append(f"call config has memory_optimization="
+                        f"{rewrite.get('memory_optimization')}, not {want_level}")
+    has_pass = "TfMemOpt" in rewrite.get("custom_optimizers", [])
+    if has_pass != (option == "TFMEMOPT"):
+        problems.append(f"TfMemOpt {'is' if has_pass else 'is not'} in the call config")
+    steps = [runs for graph, runs in (trial.grappler or {}).items()
+             if graph.startswith(_STEP_GRAPH)]
+    if not steps:
+        return False, "no meta-optimizer log for the train step graph"
+    names = [line.split(":", 1)[0] for line in steps[0]]
+    memory = [line for line in steps[0] if line.startswith("memory_optimizer:")]
+    if bool(memory) != (option != "NO_MEM_OPT"):
+        problems.append(f"memory_optimizer {'ran' if memory else 'did not run'}")
+    if ("TfMemOpt" in names) != (option == "TFMEMOPT"):
+        problems.append(f"TfMemOpt {'ran' if 'TfMemOpt' in names else 'did not run'}")
+    if memory:
+        changes = [_SIZE_CHANGE.search(line) for line in memory]
+        nodes = sum(int(m.group(1)) for m in changes if m)
+        edges = sum(int(m.group(2)) for m in changes if m)
+        seen = f"memory_optimizer ran ({nodes:+d} nodes, {edges:+d} edges)"
+    else:
+        seen = "memory_optimizer off"
+    if "TfMemOpt" in names:
+        seen += ", TfMemOpt ran"
+    return not problems, seen + ("" if not problems else "; MISMATCH: " + "; ".join(problems))
+
+
+def floor_batch(results, cap_mb):
+    """The largest batch at which persistent memory plus the biggest single op's
+    working set (its live inputs and outputs) fits the cap: no plan that keeps ops
+    whole can beat it.
+
+    TODO(floor_batch): the report has persistent_bytes per device, but no per-op
+    working set (the timeline holds live bytes per step, summed over all tensors).
+    With a per-device report field such as max_op_working_set_bytes (the largest sum
+    of an op's input, output and scratch bytes in the simulated schedule, and the op),
+    taken from two TFMEMOPT trials at different batches (it is linear in the batch),
+    floor_batch = the largest b with persistent + working_set(b) <= cap.
+    """
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cap-mb", type=int, help="CPU allocator cap in MiB")
+    parser.add_argument("--lo", type=int, help="smallest batch searched")
+    parser.add_argument("--hi", type=int, help="largest batch searched")
+    parser.add_argument("--steps", type=int, help="training steps per search trial")
+    parser.add_argument("--rounds", type=int, help="timed steps per configuration")
+    parser.add_argument("--options", nargs="+", choices=OPTIONS,
+                        help=f"options to search (default all; {BASELINE} is always included)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as one JSON line, last")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a small configuration for tests: {QUICK}")
+    args = parser.parse_args()
+    settings = dict(QUICK if args.quick else DEFAULTS)
+    settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
+    options = [o for o in OPTIONS if o in settings["options"] or o == BASELINE]
+    settings["options"] = options
+    cap_mb = settings["cap_mb"]
+
+    print(f"seed000: seed CNN, cap {cap_mb} MiB, batches {settings['lo']}..{settings['hi']} "
+          f"(bisection), {settings['steps']} steps per trial", flush=True)
+    comparison = compare(
+        models.seed_cnn, settings["lo"], settings["hi"], {o: config(o) for o in options},
+        BASELINE, cap_mb=cap_mb, steps=settings["steps"], rounds=settings["rounds"],
+        grappler_log=True, timed=["TFMEMOPT"] if "TFMEMOPT" in options else [])
+    results = comparison.searches
+    checks = {}
+    for option, result in results.items():
+        # Trials that trained ran Grappler for sure (an OOM in make_step would not).
+        verdicts = [grappler_check(option, t) for t in result.trials if t.ok]
+        if verdicts:
+            checks[option] = {"passed": all(ok for ok, _ in verdicts), "seen": verdicts[0][1],
+                              "trials_checked": len(verdicts)}
+
+    print("\n" + table(results))
+    print(f"\n{'option':<25} | {'max batch':>9} | {'smallest OOM':>12} | {'trials':>6} | "
+          f"Grappler (checked in every trial that trained)")
+    for option, result in results.items():
+        check = checks.get(option)
+        verdict = (("ok: " if check["passed"] else "FAILED: ") + check["seen"]) if check else "-"
+        print(f"{option:<25} | {str(result.max_batch):>9} | {str(result.min_failing_batch):>12} | "
+              f"{len(result.trials):>6} | {verdict}")
+    if comparison.timing:
+        print("\n" + comparison.timing_text())
+    overhead = comparison.overhead.get("TFMEMOPT")
+    floor = floor_batch(results, cap_mb)
+    print(f"\nfloor_batch: {floor if floor is not None else 'not computed (TODO: needs a per-op working-set field in the report)'}")
+    if overhead is not None:
+        print(f"overhead of TFMEMOPT at batch {comparison.size}: {overhead * 100:+.1f} %")
+    for option, result in results.items():
+        if result.max_batch is not None and result.min_failing_batch is None:
+            print(f"{option}: batch {settings['hi']} trains: the limit is above --hi")
+    if comparison.error:
+        print(f"search stopped: {comparison.error}")
+    if args.json:
+        print(json.dumps({
+            "max_batch": comparison.max_sizes(),
+            "floor_batch": floor,
+            "overhead_at_baseline_max": overhead,
+            "grappler_check": checks,
+            "settings": settings,
+            **comparison.brief(),
+        }))
+    failed_check = any(not c["passed"] for c in checks.values())
+    return 1 if comparison.error or failed_check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
