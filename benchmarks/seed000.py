@@ -24,7 +24,7 @@ it). Two checks per trial, printed in the "Grappler" column:
 Usage: python benchmarks/seed000.py [--cap-mb 1024] [--lo 256] [--hi 4096]
            [--options NAME ...] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:
-{"max_batch": {option: int, ..., "TFMEMOPT": int}, "floor_batch": int or null,
+{"max_batch": {option: int, ..., "TFMEMOPT": int}, "floor_batch": int,
  "overhead_at_baseline_max": float, ...}.
 """
 
@@ -91,19 +91,31 @@ def grappler_check(option, trial):
     return not problems, seen + ("" if not problems else "; MISMATCH: " + "; ".join(problems))
 
 
-def floor_batch(results, cap_mb):
+def floor_batch(cap_mb, batches=(256, 512)):
     """The largest batch at which persistent memory plus the biggest single op's
-    working set (its live inputs and outputs) fits the cap: no plan that keeps ops
-    whole can beat it.
+    working set (its distinct inputs, outputs and scratch, as the pass's simulator
+    sees them) fits the cap: no plan that keeps ops whole can beat it.
 
-    TODO(floor_batch): the report has persistent_bytes per device, but no per-op
-    working set (the timeline holds live bytes per step, summed over all tensors).
-    With a per-device report field such as max_op_working_set_bytes (the largest sum
-    of an op's input, output and scratch bytes in the simulated schedule, and the op),
-    taken from two TFMEMOPT trials at different batches (it is linear in the batch),
-    floor_batch = the largest b with persistent + working_set(b) <= cap.
+    The pass reports both for the seed CNN's train step (tfmemopt.analyze, nothing
+    runs); the working set is linear in the batch, so two batches give it.
+    Returns (floor, details).
     """
-    return None
+    import tfmemopt
+
+    points = []
+    for batch in batches:
+        step, (x, y) = models.seed_cnn(batch)
+        report = tfmemopt.analyze(step, x, y, mode="ANALYZE_ONLY")
+        device = report.devices[0]
+        points.append((batch, report.persistent_bytes[device],
+                       report.max_op_working_set_bytes[device],
+                       report.to_dict()["devices"][0]["max_op_working_set_op"]))
+    (b0, p0, w0, op), (b1, _, w1, _) = points
+    per_sample = (w1 - w0) / (b1 - b0)
+    fixed = w0 - per_sample * b0
+    floor = int((cap_mb * 2**20 - p0 - fixed) // per_sample)
+    return floor, {"op": op, "persistent_bytes": p0, "working_set_bytes_per_sample": per_sample,
+                   "working_set_fixed_bytes": fixed}
 
 
 def main():
@@ -152,8 +164,10 @@ def main():
     if comparison.timing:
         print("\n" + comparison.timing_text())
     overhead = comparison.overhead.get("TFMEMOPT")
-    floor = floor_batch(results, cap_mb)
-    print(f"\nfloor_batch: {floor if floor is not None else 'not computed (TODO: needs a per-op working-set field in the report)'}")
+    floor, floor_details = floor_batch(cap_mb)
+    print(f"\nfloor_batch: {floor} (persistent {floor_details['persistent_bytes'] / 2**20:.1f} MiB + "
+          f"{floor_details['working_set_bytes_per_sample'] / 2**20:.3f} MiB per sample for "
+          f"{floor_details['op']})")
     if overhead is not None:
         print(f"overhead of TFMEMOPT at batch {comparison.size}: {overhead * 100:+.1f} %")
     for option, result in results.items():
@@ -165,6 +179,7 @@ def main():
         print(json.dumps({
             "max_batch": comparison.max_sizes(),
             "floor_batch": floor,
+            "floor_details": floor_details,
             "overhead_at_baseline_max": overhead,
             "grappler_check": checks,
             "settings": settings,

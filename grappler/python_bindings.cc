@@ -69,6 +69,31 @@ PYBIND11_MODULE(_ext, m) {
       "Host memory pool of the swap ops: bytes_in_use, peak_bytes, swap_outs, swap_ins, "
       "cached_bytes (freed blocks kept for reuse).");
   m.def(
+      "run_pass",
+      [](py::bytes metagraph_bytes, py::bytes entry_bytes, bool export_table) {
+        tensorflow::MetaGraphDef metagraph;
+        tensorflow::RewriterConfig_CustomGraphOptimizer entry;
+        if (!metagraph.ParseFromString(std::string(metagraph_bytes))) {
+          throw py::value_error("tfmemopt: run_pass: not a serialized MetaGraphDef");
+        }
+        if (!entry.ParseFromString(std::string(entry_bytes))) {
+          throw py::value_error("tfmemopt: run_pass: not a serialized CustomGraphOptimizer");
+        }
+        tensorflow::GraphDef graph;
+        std::string report, table;
+        absl::Status status;
+        {
+          py::gil_scoped_release release;
+          status = tfmemopt::RunTfMemOptOnMetaGraph(metagraph, entry, &graph, &report,
+                                                    export_table ? &table : nullptr);
+        }
+        return py::make_tuple(std::string(status.message()), status.ok(), report,
+                              py::bytes(graph.SerializeAsString()), table);
+      },
+      py::arg("metagraph"), py::arg("entry"), py::arg("export_table") = false,
+      "Runs the pass once on a serialized MetaGraphDef (no TF pass runs first): returns "
+      "(error message, ok, report JSON, output GraphDef bytes, tensor table JSON).");
+  m.def(
       "reset_host_pool_peak", [] { tfmemopt::HostMemoryPool::Global()->ResetPeak(); },
       "Restarts the host pool's peak_bytes from its bytes_in_use.");
 }

@@ -15,10 +15,12 @@
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/plan/memory_planner.h"
 #include "grappler/report/memory_report.h"
+#include "grappler/report/table_export.h"
 #include "grappler/rewrite/recompute_pass.h"
 #include "grappler/simulate/liveness_simulator.h"
 #include "grappler/verify/graph_verifier.h"
 #include "tensorflow/core/grappler/clusters/cluster.h"
+#include "tensorflow/core/grappler/grappler_item_builder.h"
 #include "tensorflow/core/grappler/optimizers/custom_graph_optimizer_registry.h"
 #include "tensorflow/core/platform/logging.h"
 
@@ -343,6 +345,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       const int index = DeviceIndex(final_simulation, devices[d].device);
       if (index < 0) return absl::InternalError(absl::StrCat("no timeline for ", devices[d].device));
       FillDeviceFigures(final_table, final_simulation.devices[index], &devices[d]);
+      FillOpWorkingSet(table, &devices[d]);
       report->timeline.push_back(final_simulation.devices[index]);
     }
     report->devices = std::move(devices);
@@ -442,6 +445,39 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
   published.rewrote = report.graph_changed;
   published.token = PublishReport(published.token, report.ToJson());
   return InfeasibleError(options_, report);
+}
+
+absl::Status RunTfMemOptOnMetaGraph(const tensorflow::MetaGraphDef& metagraph,
+                                    const tensorflow::RewriterConfig_CustomGraphOptimizer& entry,
+                                    tensorflow::GraphDef* graph, std::string* report_json,
+                                    std::string* table_json) {
+  tensorflow::grappler::ItemConfig item_config;
+  std::unique_ptr<GrapplerItem> item =
+      tensorflow::grappler::GrapplerItemFromMetaGraphDef("run_pass", metagraph, item_config);
+  if (item == nullptr) {
+    return absl::InvalidArgumentError(
+        "the MetaGraphDef is not a valid graph with a train_op collection");
+  }
+  TfMemOptOptimizer optimizer;
+  absl::Status status = optimizer.Init(&entry);
+  if (!status.ok()) return status;
+  if (table_json != nullptr) {
+    TensorTable table;
+    status = BuildTensorTable(*item, optimizer.options(), &table);
+    if (!status.ok()) return status;
+    std::vector<int> order;
+    status = TopologicalOrder(item->graph, table, &order);
+    if (!status.ok()) return status;
+    ControlFlowInfo flow;
+    status = AnalyzeControlFlow(item->graph, table, order, &flow);
+    if (!status.ok()) return status;
+    *table_json = TensorTableJson(table, order, flow, optimizer.options());
+  }
+  const size_t before = PublishedReports().size();
+  status = optimizer.Optimize(nullptr, *item, graph);
+  const std::vector<std::string> reports = PublishedReports();
+  if (reports.size() > before) *report_json = reports.back();
+  return status;
 }
 
 bool RegisterTfMemOptOnce() {

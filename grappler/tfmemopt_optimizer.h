@@ -19,6 +19,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "grappler/memory_optimizer_options.h"
 #include "tensorflow/core/grappler/optimizers/custom_graph_optimizer.h"
+#include "tensorflow/core/protobuf/meta_graph.pb.h"
 
 namespace tfmemopt {
 
@@ -53,6 +54,16 @@ class TfMemOptOptimizer : public tensorflow::grappler::CustomGraphOptimizer {
   };
   absl::flat_hash_map<std::string, Published> published_;
 };
+
+// Runs the pass once on `metagraph` (its "train_op" collection names the fetches),
+// outside TF's meta-optimizer: no built-in pass runs first, no cluster is known.
+// For benchmarks and tests that need the planner on exactly one given graph.
+// `graph` receives the output, `report_json` the report, `table_json` (if not
+// null) the tensor table the pass analyzed (see report/table_export.h).
+absl::Status RunTfMemOptOnMetaGraph(const tensorflow::MetaGraphDef& metagraph,
+                                    const tensorflow::RewriterConfig_CustomGraphOptimizer& entry,
+                                    tensorflow::GraphDef* graph, std::string* report_json,
+                                    std::string* table_json);
 
 // Registers TfMemOpt with Grappler unless a pass of that name is registered
 // already. Returns false in that case: registering twice aborts the process.

@@ -63,7 +63,8 @@ std::string FilterReason(const NodeDef& def, const MemoryPlannerOptions& options
   return "";
 }
 
-// Why a forward node may not be recomputed, or "" if it may.
+}  // namespace
+
 std::string NotRecomputableReason(const TensorTable& table, const ControlFlowInfo& flow,
                                   const MemoryPlannerOptions& options, int n) {
   const NodeInfo& node = table.nodes[n];
@@ -87,6 +88,8 @@ std::string NotRecomputableReason(const TensorTable& table, const ControlFlowInf
   }
   return FilterReason(def, options);
 }
+
+namespace {
 
 bool Swappable(const TensorTable& table, const ControlFlowInfo& flow,
                const MemoryPlannerOptions& options, int tensor) {

@@ -113,6 +113,12 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
 // Applies a planned rewrite to `graph`, the GraphDef the table was built from.
 absl::Status ApplyPlannedRewrite(const PlannedRewrite& rewrite, tensorflow::GraphDef* graph);
 
+// Why forward node `node` may not be recomputed ("stateful", "control_flow",
+// "non_plain_dtype", "unknown_size", "persistent", "excluded", "not_included",
+// "input_or_structural"), or "" if it may.
+std::string NotRecomputableReason(const TensorTable& table, const ControlFlowInfo& flow,
+                                  const MemoryPlannerOptions& options, int node);
+
 // True if `name` is in `scope` (equal to it, or under it: "scope/...").
 bool InScope(const std::string& name, const std::string& scope);
 

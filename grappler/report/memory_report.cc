@@ -1,5 +1,6 @@
 #include "grappler/report/memory_report.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <mutex>
 #include <sstream>
@@ -109,7 +110,9 @@ std::string MemoryReport::ToJson() const {
         << ",\"live_peak_bytes\":" << d.live_peak_bytes
         << ",\"allocator\":" << Quote(d.allocator)
         << ",\"peak_step\":" << d.peak_step
-        << ",\"planned_peak_bytes\":" << d.planned_peak_bytes << ",\"top_tensors_at_peak\":[";
+        << ",\"planned_peak_bytes\":" << d.planned_peak_bytes
+        << ",\"max_op_working_set_bytes\":" << d.max_op_working_set_bytes
+        << ",\"max_op_working_set_op\":" << Quote(d.max_op_working_set_op) << ",\"top_tensors_at_peak\":[";
     for (size_t j = 0; j < d.top_tensors_at_peak.size(); ++j) {
       const PeakTensor& t = d.top_tensors_at_peak[j];
       out << (j ? "," : "") << "{\"name\":" << Quote(t.name) << ",\"op\":" << Quote(t.op)
@@ -201,6 +204,30 @@ std::string MemoryReport::Summary() const {
   }
   if (options.mode == Mode::kAnalyzeOnly) absl::StrAppend(&line, " [analyze only]");
   return line;
+}
+
+void FillOpWorkingSet(const TensorTable& table, DeviceReport* device) {
+  device->max_op_working_set_bytes = 0;
+  device->max_op_working_set_op.clear();
+  std::vector<int> buffers;
+  for (const NodeInfo& node : table.nodes) {
+    if (node.device != device->device) continue;
+    buffers.clear();
+    for (const std::vector<int>* tensors : {&node.inputs, &node.outputs}) {
+      for (int t : *tensors) buffers.push_back(table.tensors[t].buffer);
+    }
+    std::sort(buffers.begin(), buffers.end());
+    buffers.erase(std::unique(buffers.begin(), buffers.end()), buffers.end());
+    int64_t bytes = node.temp_bytes;
+    for (int b : buffers) {
+      const BufferInfo& buffer = table.buffers[b];
+      if (!buffer.persistent && buffer.device == device->device) bytes += buffer.bytes;
+    }
+    if (bytes > device->max_op_working_set_bytes) {
+      device->max_op_working_set_bytes = bytes;
+      device->max_op_working_set_op = node.def->name();
+    }
+  }
 }
 
 int64_t PublishReport(int64_t token, const std::string& json) {

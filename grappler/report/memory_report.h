@@ -38,7 +38,15 @@ struct DeviceReport {
   // Peak the planner's own simulation predicts for its plan (allocator peak where
   // modelled); when the budget cannot be met, the smallest peak it found.
   int64_t planned_peak_bytes = 0;
+  // The largest working set of one op in the original graph: its distinct input and
+  // output buffers plus its scratch memory. No plan that keeps ops whole can go
+  // below persistent_bytes plus this.
+  int64_t max_op_working_set_bytes = 0;
+  std::string max_op_working_set_op;
 };
+
+// Fills DeviceReport::max_op_working_set_* for `device` from `table`.
+void FillOpWorkingSet(const TensorTable& table, DeviceReport* device);
 
 // What recomputation did to a graph.
 struct RecomputeReport {

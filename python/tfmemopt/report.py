@@ -100,6 +100,10 @@ class Report:
             for t in d["top_tensors_at_peak"]
         ]
         self.top_tensors_at_peak = sorted(peak, key=lambda t: (-t.bytes, t.name))[:10]
+        # The largest single op's working set (inputs, outputs, scratch): no plan
+        # that keeps ops whole goes below persistent + this.
+        self.max_op_working_set_bytes = {
+            d["device"]: d.get("max_op_working_set_bytes", 0) for d in devices}
         self.recompute = data.get("recompute", {})
         self.swap = data.get("swap", {})
         self.stage_seconds = data["stage_seconds"]
