@@ -47,6 +47,11 @@ def fit(model, callbacks=(), epochs=2, samples=SAMPLES, **kwargs):
     return history.history["loss"]
 
 
+def train_step_reports():
+    """Reports of Keras step graphs (train and test) in this process."""
+    return [r for r in tfmemopt.reports() if "multi_step_on_iterator" in r.graph_id]
+
+
 def activation_bytes(report):
     """Bytes of the largest forward activation (a Dense layer's output) at the peak."""
     return max(t.bytes for t in report.top_tensors_at_peak
@@ -143,7 +148,7 @@ def test_a_step_traced_by_an_earlier_fit_is_optimized_too(peak_without_rewrite):
     model = mlp()
     fit(model, epochs=1)  # traces the train step without tfmemopt
     step = model.train_function
-    assert not tfmemopt.reports()
+    assert not train_step_reports()
     callback = MemoryOptimizer(budget=int(0.75 * peak_without_rewrite), log_level=0)
     fit(model, [callback], epochs=1)
     # Same function, not traced again: TF instantiates it anew for the new config.
@@ -156,7 +161,7 @@ def test_validation_graphs_are_not_taken_for_the_train_step():
     x, y = data(2 * BATCH)
     mlp().fit(x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(x, y),
               callbacks=[callback])
-    graphs = [r for r in tfmemopt.reports() if "multi_step_on_iterator" in r.graph_id]
+    graphs = train_step_reports()
     assert len(graphs) == 2  # the train step, then the test step
     assert [r.graph_id for r in callback.reports] == [graphs[0].graph_id]
     # Only the train step has gradients.
@@ -225,6 +230,11 @@ def test_the_state_is_restored_when_fit_fails():
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=[MemoryOptimizer(log_level=0)])
     assert tfmemopt.enabled_config() is None
+
+
+def test_the_callback_is_tfmemopt_keras_memory_optimizer():
+    assert tfmemopt.keras.MemoryOptimizer is MemoryOptimizer
+    assert isinstance(MemoryOptimizer(), keras.callbacks.Callback)
 
 
 def test_invalid_fields_are_rejected_when_the_callback_is_made():
