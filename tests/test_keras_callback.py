@@ -147,13 +147,22 @@ def test_the_batch_dimension_of_the_keras_step_is_resolved():
 def test_a_step_traced_by_an_earlier_fit_is_optimized_too(peak_without_rewrite):
     model = mlp()
     fit(model, epochs=1)  # traces the train step without tfmemopt
-    step = model.train_function
     assert not train_step_reports()
     callback = MemoryOptimizer(budget=int(0.75 * peak_without_rewrite), log_level=0)
     fit(model, [callback], epochs=1)
-    # Same function, not traced again: TF instantiates it anew for the new config.
-    assert model.train_function is step
     assert callback.report is not None and callback.report.graph_changed
+
+
+def test_every_fit_with_the_callback_gets_its_own_report():
+    # The second fit has the same config as the first: without a fresh trace TF would
+    # reuse the first fit's instantiation and the pass would not run (or report).
+    model = mlp()
+    first = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    second = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    fit(model, [first], epochs=1)
+    fit(model, [second], epochs=1)
+    assert first.report is not None and second.report is not None
+    assert first.report.graph_id != second.report.graph_id
 
 
 def test_validation_graphs_are_not_taken_for_the_train_step():
@@ -198,10 +207,11 @@ class EnabledDuringFit(keras.callbacks.Callback):
 
 
 def test_the_pass_is_enabled_during_fit_only():
-    probe = EnabledDuringFit()
-    fit(mlp(), [MemoryOptimizer(budget="1GiB", log_level=0), probe], epochs=1)
+    probe, model = EnabledDuringFit(), mlp()
+    fit(model, [MemoryOptimizer(budget="1GiB", log_level=0), probe], epochs=1)
     assert probe.seen and all(c is not None and c.budget_bytes == 2**30 for c in probe.seen)
     assert tfmemopt.enabled_config() is None
+    assert model.train_function.__name__ == "function"  # Keras's own, unwrapped
     assert not any(c.name == tfmemopt.PASS_NAME
                    for c in _eager_context.current_rewrite_options().custom_optimizers)
 

@@ -4,13 +4,13 @@
               callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")])
 
 Keras 3 on TensorFlow traces its train step (one `multi_step_on_iterator` graph) on
-the first batch of `fit`, after `on_train_begin`. Grappler, and with it TfMemOpt,
-runs when TF instantiates that graph for the config_proto of the call, which is the
-eager context's config at call time. So enabling the pass in `on_train_begin` covers
-the first batch, and also a step traced by an earlier `fit`: called under a new
-config, the same function is instantiated (and optimized) again. When `fit` ends or
-fails, the callback restores the tfmemopt state from before, and later calls get the
-instantiation of that config.
+the first batch of `fit`, after `on_train_begin`, and TF instantiates it, running
+Grappler and with it TfMemOpt, once per config_proto it is called with. So the pass
+enabled in `on_train_begin` applies to this fit's step. The callback also makes Keras
+build a new train function (`make_train_function(force=True)`): a step traced by an
+earlier fit under the same config would reuse that instantiation and produce no
+report. When `fit` ends or a step fails, the tfmemopt state from before is restored;
+later calls get the instantiation of that config.
 """
 
 import inspect
@@ -149,7 +149,10 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._test_graphs = set()
         tfmemopt.enable(self._budget, **fields)
         self._active = True
-        # Only to restore the state when a step fails: fit has no hook for that.
+        # A fresh trace, so that this fit's step gets optimized and reported even if
+        # an earlier fit instantiated it under the same config.
+        self.model.make_train_function(force=True)
+        # Wrapped only to restore the state when a step fails: fit has no hook for that.
         step = self._step = self.model.train_function
 
         def train_function(iterator):
