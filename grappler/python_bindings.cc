@@ -8,7 +8,7 @@
 
 #include "grappler/memory_optimizer_options.h"
 #include "grappler/ops/host_memory_pool.h"
-#include "grappler/ops/swap_ops.h"
+#include "grappler/register_pass.h"
 #include "grappler/report/memory_report.h"
 #include "grappler/tfmemopt_optimizer.h"
 #include "tensorflow/core/protobuf/rewriter_config.pb.h"
@@ -21,19 +21,8 @@ PYBIND11_MODULE(_ext, m) {
   // The TF version whose headers this was compiled against (set by CMake).
   m.attr("BUILT_AGAINST_TF_VERSION") = TFMEMOPT_BUILT_AGAINST_TF;
 
-  if (!tfmemopt::RegisterTfMemOptOnce()) {
-    throw py::import_error(
-        "tfmemopt: a Grappler pass named 'TfMemOpt' is already registered by another "
-        "library (for example a Bazel-built libtfmemopt.so loaded with "
-        "tf.load_library). Load only one of them: registering twice aborts TensorFlow.");
-  }
-
-  // The ops the pass inserts. A second copy of tfmemopt is refused by the check
-  // above; this one catches another library that took the ops' names.
-  if (absl::Status status = tfmemopt::RegisterSwapOpsOnce(); !status.ok()) {
-    throw py::import_error(std::string("tfmemopt: cannot register the swap ops: ") +
-                           std::string(status.message()) +
-                           ". Load only one copy of tfmemopt per process.");
+  if (absl::Status status = tfmemopt::RegisterTfMemOpt(); !status.ok()) {
+    throw py::import_error(std::string("tfmemopt: ") + std::string(status.message()));
   }
 
   m.def("reports", &tfmemopt::PublishedReports,

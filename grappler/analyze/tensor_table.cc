@@ -92,6 +92,14 @@ bool IsGraphInput(const NodeDef& node) {
          node.op() == "PlaceholderWithDefault";
 }
 
+// Where a batch enters a step: graph inputs, and the tf.data iterator that Keras's
+// fit reads its batches from.
+bool IsBatchSource(const NodeDef& node) {
+  return IsGraphInput(node) || node.op() == "IteratorGetNext" ||
+         node.op() == "IteratorGetNextSync" || node.op() == "OptionalGetValue" ||
+         node.op() == "MultiDeviceIteratorGetNextFromShard";
+}
+
 // Constants are held by their kernel and variables by their resource: both live
 // for the whole step. (grappler::IsVariable also matches ReadVariableOp, which is
 // a forward, so the variable ops are listed here.)
@@ -295,7 +303,7 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
     feeds.insert(tensorflow::grappler::NodeName(feed.first));
   }
   for (const NodeDef& node : graph.node()) {
-    if (!IsGraphInput(node) && !feeds.count(node.name())) continue;
+    if (!IsBatchSource(node) && !feeds.count(node.name())) continue;
     if (!properties.HasOutputProperties(node.name())) continue;
     for (const auto& out : properties.GetOutputProperties(node.name())) {
       if (out.shape().unknown_rank() || out.shape().dim_size() == 0) continue;

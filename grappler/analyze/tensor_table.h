@@ -5,7 +5,8 @@
 // feeds). Unknown dimensions are resolved as follows:
 //  * shapes of fed tensors (item.feed) are taken as given by GraphProperties;
 //  * the symbolic dimension at position 0 of every graph input (Placeholder, _Arg,
-//    feed) is the batch dimension; with assume_batch_size > 0 every dimension that
+//    feed) and of every tf.data iterator output (IteratorGetNext, as in Keras's
+//    fit) is the batch dimension; with assume_batch_size > 0 every dimension that
 //    GraphProperties proves equal to it is replaced by that value;
 //  * any dimension still unknown counts as 1, and the tensor is listed as unresolved
 //    so the report can say the prediction is a lower bound.

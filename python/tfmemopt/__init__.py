@@ -6,6 +6,7 @@ One line enables it for everything traced afterwards:
     tfmemopt.enable(budget="6GiB")      # or a fraction of device memory, e.g. 0.8
 
 For v1 Sessions: tf.compat.v1.Session(config=tfmemopt.config_proto(budget="6GiB")).
+For Keras: model.fit(..., callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")]).
 """
 
 import json as _json
@@ -92,6 +93,15 @@ def host_memory_stats(reset_peak=False):
     return stats
 
 
+def __getattr__(name):
+    # tfmemopt.keras imports Keras, so it loads on first use, not with tfmemopt.
+    if name == "keras":
+        import importlib
+
+        return importlib.import_module("tfmemopt.keras")
+    raise AttributeError(f"module 'tfmemopt' has no attribute {name!r}")
+
+
 __all__ = [
     "analyze",
     "analyze_metagraph",
@@ -106,6 +116,7 @@ __all__ = [
     "enabled_config",
     "find_max_batch",
     "host_memory_stats",
+    "keras",
     "make_config",
     "parse_size",
     "reports",

@@ -49,6 +49,11 @@ def update_base_config(update):
     # (device counts, GPU visibility). Doing it first means our copy of the config
     # is never imported as device settings.
     ctx._initialize_physical_devices()
+    # The context reads its config once, when it is initialized, and gives it to
+    # what it creates (tf.data's functions among them). Initializing it first keeps
+    # our entry out of that: it lives only in the base config that graph functions'
+    # call options are built from, which disable() can take back.
+    ctx.ensure_initialized()
     config = config_pb2.ConfigProto()
     if ctx._config is not None:
         config.CopyFrom(ctx._config)

@@ -1,0 +1,226 @@
+"""tfmemopt for Keras: a callback that runs the pass on the graphs `fit` builds.
+
+    model.fit(x, y, batch_size=256,
+              callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")])
+
+Keras 3 on TensorFlow traces its train step (one `multi_step_on_iterator` graph) on
+the first batch of `fit`, after `on_train_begin`, and TF instantiates it, running
+Grappler and with it TfMemOpt, once per config_proto it is called with. So the pass
+enabled in `on_train_begin` applies to this fit's step. The callback also makes Keras
+build a new train function (`make_train_function(force=True)`): a step traced by an
+earlier fit under the same config would reuse that instantiation and produce no
+report. When `fit` ends or a step fails, the tfmemopt state from before is restored;
+later calls get the instantiation of that config.
+"""
+
+import inspect
+
+import keras
+import tensorflow as tf
+
+import tfmemopt
+from tfmemopt.config import _is_repeated
+
+_TRAIN_GRAPH = "multi_step_on_iterator"
+
+
+def _logger():
+    return tf.get_logger()
+
+
+def _dataset_batch_size(dataset):
+    """The batch size of the last `.batch(n)` a tf.data pipeline applies, or None.
+
+    Read from the pipeline's Python objects (tf.data's private `_batch_size` and
+    `_input_dataset`), never by iterating it: an extra iteration would advance a
+    reshuffling dataset's seed and change what training sees.
+    """
+    for _ in range(64):  # pipelines are short chains; this bounds a cycle
+        if dataset is None:
+            return None
+        size = getattr(dataset, "_batch_size", None)
+        if size is not None:
+            try:
+                value = int(tf.get_static_value(size))
+            except (TypeError, ValueError):
+                return None
+            return value if value > 0 else None
+        dataset = getattr(dataset, "_input_dataset", None)
+    return None
+
+
+def fit_batch_size(model):
+    """The batch size of the `fit` call running `model`, or None if unknown.
+
+    Called from a callback hook inside `fit`. Keras 3 passes callbacks no batch size
+    (`Callback.params` holds only verbose, epochs and steps) and no batches before
+    the step is traced, so this reads the data adapter of the epoch iterator that
+    `fit` made (a local of Keras's `TensorFlowTrainer.fit`): for arrays, the
+    `batch_size` argument (default 32); for a tf.data.Dataset, its static batch
+    dimension, else the size of its last `.batch()`. Generators and PyDatasets give
+    None. Under a distribution strategy the result is per replica, as in the graph.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            local = frame.f_locals
+            if local.get("self") is model and "epoch_iterator" in local:
+                adapter = getattr(local["epoch_iterator"], "data_adapter", None)
+                if adapter is None:
+                    return None
+                size = adapter.batch_size
+                if size is None:
+                    size = _dataset_batch_size(getattr(adapter, "_dataset", None))
+                if not size:
+                    return None
+                replicas = model.distribute_strategy.num_replicas_in_sync
+                return max(1, int(size) // replicas)
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+class MemoryOptimizer(keras.callbacks.Callback):
+    """Runs TfMemOpt on the train step of `fit` (TensorFlow backend).
+
+    budget: bytes (int), a size string ('6GiB', '512MB') or a fraction of device
+      memory in (0, 1]; None means budget_fraction=0.9 (see tfmemopt.enable).
+    plot_to: a .png path; after training, the train step's memory timeline is
+      saved there (needs matplotlib: pip install 'tfmemopt[plot]').
+    print_report: log the train step's report at INFO (tf.get_logger()).
+    **fields: other fields of tfmemopt.MemoryOptimizerConfig. `assume_batch_size`
+      defaults to the batch size `fit` uses (see fit_batch_size()), since Keras
+      traces the step with an unknown batch dimension when the data has a partial
+      last batch.
+
+    Invalid arguments raise ValueError/TypeError here, as tfmemopt.enable does.
+    After `fit`: `report` is the train step's tfmemopt.Report (None if the pass did
+    not run, e.g. under XLA), `reports` every train step graph's report of this fit.
+
+    While `fit` runs the pass is enabled process-wide, as with tfmemopt.enable();
+    afterwards (also when a train step fails) the previous state is restored.
+    XLA (`jit_compile=True`, which Keras's default "auto" turns on for GPUs) and
+    `run_eagerly=True` bypass Grappler: the callback then warns once and does nothing.
+    """
+
+    def __init__(self, budget=None, plot_to=None, print_report=True, **fields):
+        super().__init__()
+        tfmemopt.make_config(budget, **fields)  # the errors of tfmemopt.enable, now
+        self._budget = budget
+        self._fields = fields
+        self.plot_to = plot_to
+        self.print_report = print_report
+        self.report = None
+        self.reports = []
+        self._warned = False
+        self._active = False
+        self._previous = None
+        self._before = set()
+        self._test_graphs = set()
+        self._test_begin = set()
+        self._step = self._wrapper = None
+
+    # --- fit hooks ---
+
+    def on_train_begin(self, logs=None):
+        self.report, self.reports = None, []
+        bypass = self._grappler_bypass()
+        if bypass:
+            if not self._warned:
+                _logger().warning(
+                    "tfmemopt: %s bypasses Grappler, so tfmemopt cannot act on this "
+                    "model's train step; compile(..., %s) to use it.", *bypass)
+                self._warned = True
+            return
+        fields = dict(self._fields)
+        if "assume_batch_size" not in fields:
+            batch = fit_batch_size(self.model)
+            if batch:
+                fields["assume_batch_size"] = batch
+                _logger().info("tfmemopt: assume_batch_size=%d, the batch size of this fit", batch)
+            else:
+                _logger().warning(
+                    "tfmemopt: the batch size of this fit is unknown (a generator or "
+                    "PyDataset); unknown batch dimensions count as 1. Pass "
+                    "MemoryOptimizer(assume_batch_size=N).")
+        self._previous = tfmemopt.enabled_config()
+        self._before = {r.graph_id for r in tfmemopt.reports()}
+        self._test_graphs = set()
+        tfmemopt.enable(self._budget, **fields)
+        self._active = True
+        # A fresh trace, so that this fit's step gets optimized and reported even if
+        # an earlier fit instantiated it under the same config.
+        self.model.make_train_function(force=True)
+        # Wrapped only to restore the state when a step fails: fit has no hook for that.
+        step = self._step = self.model.train_function
+
+        def train_function(iterator):
+            try:
+                return step(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                raise  # the end of an epoch
+            except BaseException:
+                self._restore()
+                raise
+
+        self.model.train_function = self._wrapper = train_function
+
+    def on_test_begin(self, logs=None):
+        # Validation traces a graph of the same name; what appears from here to
+        # on_test_end is not the train step.
+        self._test_begin = {r.graph_id for r in tfmemopt.reports()}
+
+    def on_test_end(self, logs=None):
+        self._test_graphs |= {r.graph_id for r in tfmemopt.reports()} - self._test_begin
+
+    def on_train_end(self, logs=None):
+        if not self._active:
+            return
+        self._restore()
+        self.reports = [
+            r for r in tfmemopt.reports()
+            if _TRAIN_GRAPH in r.graph_id and r.graph_id not in self._before
+            and r.graph_id not in self._test_graphs
+        ]
+        self.report = self.reports[-1] if self.reports else None
+        if self.report is None:
+            _logger().warning("tfmemopt: no report for the train step of this fit")
+            return
+        if self.print_report:
+            _logger().info("%s", self.report.to_text())
+        if self.plot_to:
+            self.report.plot(self.plot_to, title="Keras train step")
+            _logger().info("tfmemopt: memory timeline saved to %s", self.plot_to)
+
+    # --- helpers ---
+
+    def _grappler_bypass(self):
+        """(what, what to pass instead) if the train step would not run as a graph
+        that Grappler optimizes, else None."""
+        model = self.model
+        if getattr(model, "run_eagerly", False):
+            return "run_eagerly=True (no graph is built)", "run_eagerly=False"
+        if getattr(model, "jit_compile", False):
+            return ("jit_compile=True (XLA compiles the train step)",
+                    "jit_compile=False")
+        return None
+
+    def _restore(self):
+        """Puts back the tfmemopt state from before this fit, once."""
+        if not self._active:
+            return
+        self._active = False
+        if self.model.train_function is self._wrapper:
+            self.model.train_function = self._step
+        self._step = self._wrapper = None
+        if self._previous is None:
+            tfmemopt.disable()
+        else:
+            tfmemopt.enable(**_fields_of(self._previous))
+
+
+def _fields_of(config):
+    """The fields set in a MemoryOptimizerConfig, as keywords of tfmemopt.enable."""
+    return {field.name: list(value) if _is_repeated(field) else value
+            for field, value in config.ListFields()}

@@ -1,0 +1,284 @@
+"""tfmemopt.keras.MemoryOptimizer: the pass on Keras `fit`, with its report.
+
+The model is an 8-layer ReLU MLP at batch 1024 (each activation 1 MiB, the default
+min_tensor_bytes). With whole batches Keras traces the step with a static batch
+dimension; data with a partial last batch makes it unknown, which is what
+`assume_batch_size` (set by the callback from `fit`) stands in for.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import tfmemopt
+from tfmemopt import _eager_context
+from tfmemopt.keras import MemoryOptimizer
+
+BATCH, WIDTH, DEPTH = 1024, 256, 8
+SAMPLES = 3 * BATCH
+PARTIAL = 3 * BATCH + 100  # a partial last batch: the batch dimension is unknown
+
+
+def mlp(jit_compile=False, first_layer=None):
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((WIDTH,))]
+    if first_layer is not None:
+        layers.append(first_layer)
+    layers += [keras.layers.Dense(WIDTH, activation="relu") for _ in range(DEPTH)]
+    model = keras.Sequential(layers + [keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=jit_compile)
+    return model
+
+
+def data(samples=SAMPLES):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((samples, WIDTH)).astype(np.float32),
+            rng.standard_normal((samples, 1)).astype(np.float32))
+
+
+def fit(model, callbacks=(), epochs=2, samples=SAMPLES, **kwargs):
+    x, y = data(samples)
+    kwargs.setdefault("batch_size", BATCH)
+    history = model.fit(x, y, epochs=epochs, shuffle=False, verbose=0,
+                        callbacks=list(callbacks), **kwargs)
+    return history.history["loss"]
+
+
+def train_step_reports():
+    """Reports of Keras step graphs (train and test) in this process."""
+    return [r for r in tfmemopt.reports() if "multi_step_on_iterator" in r.graph_id]
+
+
+def activation_bytes(report):
+    """Bytes of the largest forward activation (a Dense layer's output) at the peak."""
+    return max(t.bytes for t in report.top_tensors_at_peak
+               if t.role == "activation" and t.op == "_FusedMatMul")
+
+
+@pytest.fixture(scope="module")
+def peak_without_rewrite():
+    """The train step's predicted peak, from an ANALYZE_ONLY fit."""
+    callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    fit(mlp(), [callback], epochs=1)
+    tfmemopt.clear_reports()
+    return callback.report.predicted_peak_bytes["before"]["CPU:0"]
+
+
+def test_fit_reports_the_train_step_and_recomputes_under_a_tight_budget(peak_without_rewrite):
+    budget = int(0.75 * peak_without_rewrite)
+    callback = MemoryOptimizer(budget=budget, log_level=0)
+    fit(mlp(), [callback])
+
+    report = callback.report
+    assert report is not None and report.status == "ok"
+    assert "multi_step_on_iterator" in report.graph_id
+    assert [r.graph_id for r in callback.reports] == [report.graph_id]
+    assert report.graph_changed
+    assert report.recomputed_ops
+    assert report.budget_bytes["CPU:0"] == budget
+    # (ANALYZE_ONLY and AUTO see the step after slightly different built-in passes.)
+    assert report.predicted_peak_bytes["before"]["CPU:0"] == pytest.approx(
+        peak_without_rewrite, rel=0.01)
+    assert report.predicted_peak_bytes["after"]["CPU:0"] <= budget
+
+
+def test_losses_are_bitwise_those_of_fit_without_the_callback(peak_without_rewrite):
+    plain = fit(mlp())
+    callback = MemoryOptimizer(budget=int(0.75 * peak_without_rewrite), log_level=0)
+    optimized = fit(mlp(), [callback])
+    assert callback.report.graph_changed
+    assert optimized == plain  # Python floats: bitwise
+
+
+def test_assume_batch_size_comes_from_the_batch_size_of_fit(caplog):
+    caplog.set_level(logging.INFO, logger="tensorflow")
+    callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    fit(mlp(), [callback], epochs=1, samples=PARTIAL, batch_size=512)
+    assert "tfmemopt: assume_batch_size=512, the batch size of this fit" in caplog.text
+    assert callback.report.to_dict()["assume_batch_size"] == 512
+
+
+def test_batch_size_of_a_tf_data_pipeline_is_its_batch_argument(caplog):
+    caplog.set_level(logging.INFO, logger="tensorflow")
+    x, y = data(PARTIAL)
+    # No drop_remainder: the element spec's batch dimension is None.
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(256).prefetch(1)
+    assert dataset.element_spec[0].shape[0] is None
+    callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    mlp().fit(dataset, epochs=1, verbose=0, callbacks=[callback])
+    assert "tfmemopt: assume_batch_size=256, the batch size of this fit" in caplog.text
+    assert callback.report.to_dict()["assume_batch_size"] == 256
+
+
+def test_an_explicit_assume_batch_size_wins():
+    callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0, assume_batch_size=64)
+    fit(mlp(), [callback], epochs=1, samples=PARTIAL)
+    assert callback.report.to_dict()["assume_batch_size"] == 64
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+def test_a_generator_gives_no_batch_size_and_a_warning(caplog):
+    caplog.set_level(logging.WARNING, logger="tensorflow")
+    x, y = data(PARTIAL)
+
+    def batches():
+        for start in range(0, PARTIAL, BATCH):
+            yield x[start:start + BATCH], y[start:start + BATCH]
+
+    callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    mlp().fit(batches(), epochs=1, verbose=0, callbacks=[callback])
+    assert "the batch size of this fit is unknown" in caplog.text
+    assert callback.report.to_dict()["assume_batch_size"] == 0
+
+
+def test_the_batch_dimension_of_the_keras_step_is_resolved():
+    # A partial last batch leaves the step's batch dimension unknown; it enters
+    # through IteratorGetNext, and assume_batch_size resolves it.
+    callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    fit(mlp(), [callback], epochs=1, samples=PARTIAL)
+    assert activation_bytes(callback.report) == BATCH * WIDTH * 4
+
+
+def test_a_step_traced_by_an_earlier_fit_is_optimized_too(peak_without_rewrite):
+    model = mlp()
+    fit(model, epochs=1)  # traces the train step without tfmemopt
+    assert not train_step_reports()
+    callback = MemoryOptimizer(budget=int(0.75 * peak_without_rewrite), log_level=0)
+    fit(model, [callback], epochs=1)
+    assert callback.report is not None and callback.report.graph_changed
+
+
+def test_every_fit_with_the_callback_gets_its_own_report():
+    # The second fit has the same config as the first: without a fresh trace TF would
+    # reuse the first fit's instantiation and the pass would not run (or report).
+    model = mlp()
+    first = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    second = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    fit(model, [first], epochs=1)
+    fit(model, [second], epochs=1)
+    assert first.report is not None and second.report is not None
+    assert first.report.graph_id != second.report.graph_id
+
+
+def test_validation_graphs_are_not_taken_for_the_train_step():
+    callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    x, y = data(2 * BATCH)
+    mlp().fit(x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(x, y),
+              callbacks=[callback])
+    graphs = train_step_reports()
+    assert len(graphs) == 2  # the train step, then the test step
+    assert [r.graph_id for r in callback.reports] == [graphs[0].graph_id]
+    # Only the train step has gradients.
+    assert any(t.role == "gradient" for t in callback.report.top_tensors_at_peak)
+
+
+def test_the_report_is_logged_and_its_timeline_plotted(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tensorflow")
+    path = tmp_path / "train_step.png"
+    callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0, plot_to=str(path))
+    fit(mlp(), [callback], epochs=1)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"TfMemOpt report for graph {callback.report.graph_id}" in caplog.text
+    assert f"memory timeline saved to {path}" in caplog.text
+
+
+def test_print_report_false_logs_no_report(caplog):
+    caplog.set_level(logging.INFO, logger="tensorflow")
+    callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0, print_report=False)
+    fit(mlp(), [callback], epochs=1)
+    assert callback.report is not None
+    assert "TfMemOpt report" not in caplog.text
+
+
+class EnabledDuringFit(keras.callbacks.Callback):
+    """Records the tfmemopt config in force at each train batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append(tfmemopt.enabled_config())
+
+
+def test_the_pass_is_enabled_during_fit_only():
+    probe, model = EnabledDuringFit(), mlp()
+    fit(model, [MemoryOptimizer(budget="1GiB", log_level=0), probe], epochs=1)
+    assert probe.seen and all(c is not None and c.budget_bytes == 2**30 for c in probe.seen)
+    assert tfmemopt.enabled_config() is None
+    assert model.train_function.__name__ == "function"  # Keras's own, unwrapped
+    assert not any(c.name == tfmemopt.PASS_NAME
+                   for c in _eager_context.current_rewrite_options().custom_optimizers)
+
+
+def test_a_previous_enable_is_restored_after_fit():
+    before = tfmemopt.enable(budget=0.5, log_level=0, exclude_scopes=["head"])
+    probe = EnabledDuringFit()
+    fit(mlp(), [MemoryOptimizer(budget="1GiB", log_level=0), probe], epochs=1)
+    assert probe.seen[0].budget_bytes == 2**30
+    assert tfmemopt.enabled_config() == before
+    [entry] = [c for c in _eager_context.current_rewrite_options().custom_optimizers
+               if c.name == tfmemopt.PASS_NAME]
+    assert entry == tfmemopt.custom_optimizer_entry(before)
+
+
+class FailOnNaN(keras.layers.Layer):
+    def call(self, x):
+        return tf.debugging.assert_all_finite(x, "input has NaN")
+
+
+def test_the_state_is_restored_when_fit_fails():
+    model = mlp(first_layer=FailOnNaN())
+    x, y = data()
+    x[BATCH + 3, 0] = np.nan  # the second batch fails
+    with pytest.raises(tf.errors.InvalidArgumentError, match="input has NaN"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[MemoryOptimizer(log_level=0)])
+    assert tfmemopt.enabled_config() is None
+
+
+def test_the_callback_is_tfmemopt_keras_memory_optimizer():
+    assert tfmemopt.keras.MemoryOptimizer is MemoryOptimizer
+    assert isinstance(MemoryOptimizer(), keras.callbacks.Callback)
+
+
+def test_invalid_fields_are_rejected_when_the_callback_is_made():
+    with pytest.raises(ValueError) as made:
+        MemoryOptimizer(budget=2.0)
+    with pytest.raises(ValueError) as enabled:
+        tfmemopt.enable(budget=2.0)
+    assert str(made.value) == str(enabled.value)
+    with pytest.raises(ValueError, match=r"unknown field 'budget_byte' \(did you mean 'budget_bytes'\?\)"):
+        MemoryOptimizer(budget_byte=1)
+    with pytest.raises(TypeError, match="log_level"):
+        MemoryOptimizer(log_level="loud")
+    with pytest.raises(ValueError, match="min_tensor_bytes"):
+        MemoryOptimizer(min_tensor_bytes=-5)
+
+
+def test_xla_gets_one_clear_warning_and_no_pass(caplog):
+    caplog.set_level(logging.WARNING, logger="tensorflow")
+    model = mlp(jit_compile=True)
+    callback, probe = MemoryOptimizer(log_level=0), EnabledDuringFit()
+    fit(model, [callback, probe], epochs=1)
+    fit(model, [callback, probe], epochs=1)
+    warnings = [r.getMessage() for r in caplog.records if "bypasses Grappler" in r.getMessage()]
+    assert warnings == [
+        "tfmemopt: jit_compile=True (XLA compiles the train step) bypasses Grappler, so "
+        "tfmemopt cannot act on this model's train step; compile(..., jit_compile=False) "
+        "to use it."]
+    assert callback.report is None
+    assert probe.seen and all(c is None for c in probe.seen)
+
+
+def test_run_eagerly_warns_too(caplog):
+    caplog.set_level(logging.WARNING, logger="tensorflow")
+    model = mlp()
+    model.run_eagerly = True
+    callback = MemoryOptimizer(log_level=0)
+    fit(model, [callback], epochs=1)
+    assert "run_eagerly=True (no graph is built) bypasses Grappler" in caplog.text
+    assert callback.report is None
