@@ -35,7 +35,7 @@ def describe(spec, result):
             f"\n  details: {result.get('details')}\n  spec: {json.dumps(spec)}")
 
 
-@settings(max_examples=22, deadline=None, derandomize=True, database=None,
+@settings(max_examples=16, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(spec=gg.hypothesis_specs())
