@@ -534,6 +534,13 @@ def _budget_problems(report, fields, where, simulated_after=None):
     return problems
 
 
+def _phase(name):
+    """Tells the Worker what runs now, so that a crash can be placed: 'baseline'
+    (training without the pass), 'optimize' or 'optimized run'."""
+    if os.environ.get("TFMEMOPT_STRESS_WORKER"):
+        print(f"PHASE {name}", flush=True)
+
+
 def run_case(spec):
     """Checks one spec. Returns {"outcome": "ok"|"mismatch"|"invalid_graph"|
     "violation"|"fallback"|"generator_error", "problems": [...], "rewritten": bool}."""
@@ -545,12 +552,14 @@ def run_case(spec):
     result = {"outcome": "ok", "problems": [], "rewritten": False, "details": {}}
     tfmemopt.disable()
     tfmemopt.clear_reports()
+    _phase("baseline")
     try:
         base = train(Model(spec))
     except Exception:  # the generator built something TF rejects: our bug, not the pass's
         result.update(outcome="generator_error", problems=[traceback.format_exc(limit=3)])
         return result
 
+    _phase("optimize")
     # The budget, from the pass's own prediction for this step.
     probe = Model(spec)
     concrete = probe.step_function().get_concrete_function()
@@ -597,6 +606,7 @@ def run_case(spec):
     result["details"]["clones"] = len(clones)
 
     # Training with tfmemopt enabled: the graph TF really runs.
+    _phase("optimized run")
     tfmemopt.enable(log_level=0, **fields)
     ctx = context.context()
     ctx.enable_graph_collection()
@@ -674,7 +684,12 @@ def worker_main():
 
 
 class WorkerDied(Exception):
-    pass
+    """The worker died on a case; `phase` is where ('baseline': TF crashed while the
+    pass had not run)."""
+
+    def __init__(self, message, phase="start"):
+        super().__init__(message)
+        self.phase = phase
 
 
 class Worker:
@@ -683,12 +698,13 @@ class Worker:
 
     def __init__(self, recycle=60, env=None):
         self.recycle, self.env, self.proc, self.done = recycle, env, None, 0
+        self.phase = "start"
         self.stderr_path = None
 
     def _start(self):
         import tempfile
 
-        full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TFMEMOPT_STRESS_WORKER="1")
         full_env.update(self.env or {})
         self.stderr_file = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
@@ -715,19 +731,24 @@ class Worker:
         self.proc.stdin.write(json.dumps(spec) + "\n")
         self.proc.stdin.flush()
         deadline = time.time() + timeout
+        self.phase = "start"
         while True:
             ready, _, _ = select.select([self.proc.stdout], [], [], max(0, deadline - time.time()))
             if not ready:
                 self.proc.kill()
                 self.proc.wait()
                 self.proc = None
-                raise WorkerDied(f"worker hung on this case for {timeout} s (killed)")
+                raise WorkerDied(f"worker hung on this case for {timeout} s in phase "
+                                 f"{self.phase} (killed)", self.phase)
             line = self.proc.stdout.readline()
             if not line:
                 code = self.proc.wait()
                 tail = self._stderr_tail()
                 self.proc = None
-                raise WorkerDied(f"worker exited with {code} on this case; stderr tail:\n{tail}")
+                raise WorkerDied(f"worker exited with {code} on this case in phase {self.phase}"
+                                 f"; stderr tail:\n{tail}", self.phase)
+            if line.startswith("PHASE "):
+                self.phase = line[len("PHASE "):].strip()
             if line.startswith("RESULT "):
                 self.done += 1
                 return json.loads(line[len("RESULT "):])
