@@ -1,98 +1,197 @@
-"""Where a train step's memory really goes: per-kernel allocations of TF's executor.
+"""Where a train step's memory really goes, allocation by allocation, next to the model.
 
-Takes a benchmark model's train step exactly as the pass sees it (the graph that
-tfmemopt.analyze() optimizes), runs it in a v1 Session with one inter-op thread and
-FULL_TRACE, and prints the allocator's peak next to the pass's prediction, then the
-kernels whose allocations exceed their outputs (scratch/workspace memory: what the
-memory model must add) and the bytes in use along the executor's real order.
+Trains a benchmark model's tf.function step as the benchmark does (TF's BFC CPU
+allocator, the pass in ANALYZE_ONLY mode), profiles one step after the warm-up
+with TF's profiler, and reads the allocator's own trace from it: every
+MemoryAllocation/MemoryDeallocation event, with the kernel that made it, the
+bytes requested and the chunk handed out, and the bytes in use after it. It
+prints
 
-Usage: TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=8192 \
-       python benchmarks/trace_step_memory.py MODEL [--top 15]
+  * the measured peak of the profiled step next to the predicted peak;
+  * the chunks live at the measured peak, largest first;
+  * kernel scratch memory (allocations of region "temp"), by kernel;
+  * kernels whose output allocations differ from the model's replay of the same
+    kernel (the pass's replay of the measured step, read from its VLOG(2) log):
+    an output the model allocates but TF forwarded in place, or the reverse.
+
+With --order FILE it also writes the kernels in the order the executor started
+them (the profiler's host trace at level 3), one node name per line.
+
+Usage: python benchmarks/trace_step_memory.py MODEL [--inter-op N] [--warmup N]
+           [--top 15] [--order FILE]
 """
 
 import argparse
+import collections
+import glob
 import os
+import re
+import shutil
 import sys
+import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import tensorflow as tf  # noqa: E402
-from tensorflow.python.grappler import cluster as grappler_cluster  # noqa: E402
-from tensorflow.python.grappler import tf_optimizer  # noqa: E402
-
-import tfmemopt  # noqa: E402
-from models import MODELS  # noqa: E402
-from tfmemopt.analysis import metagraph_of  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+MIB = 2.0**20
 
 
-def optimized_step(name):
-    step, (x, y) = MODELS[name]()
-    concrete = step.get_concrete_function(x, y)
-    metagraph = metagraph_of(concrete)
-    config = tfmemopt.config_proto(log_level=0, mode="ANALYZE_ONLY")
-    config.graph_options.rewrite_options.min_graph_nodes = -1
-    graph_def = tf_optimizer.OptimizeGraph(
-        config, metagraph, cluster=grappler_cluster.Cluster(disable_detailed_stats=True))
-    report = [r for r in tfmemopt.reports() if r.graph_id == "graph_to_optimize"][-1]
-    inputs = [t.op.name for t in concrete.graph.inputs if t.dtype != tf.resource]
-    fetch = [f.split(":")[0] for f in metagraph.collection_def["train_op"].node_list.value]
-    return graph_def, report, inputs, fetch, (x.numpy(), y.numpy())
+def _stats(plane, event):
+    names = {k: v.name for k, v in plane.stat_metadata.items()}
+    out = {}
+    for stat in event.stats:
+        kind = stat.WhichOneof("value")
+        value = getattr(stat, kind)
+        out[names.get(stat.metadata_id, str(stat.metadata_id))] = (
+            names.get(value, value) if kind == "ref_value" else value)
+    return out
 
 
-def trace(graph_def, inputs, fetch, feeds):
-    with tf.Graph().as_default() as graph:
-        tf.compat.v1.import_graph_def(graph_def, name="")
-        init = [
-            tf.raw_ops.AssignVariableOp(
-                resource=graph.get_tensor_by_name(node.name + ":0"),
-                value=tf.zeros([d.size for d in node.attr["shape"].shape.dim],
-                               tf.as_dtype(node.attr["dtype"].type)))
-            for node in graph_def.node if node.op == "VarHandleOp"
-        ]
-        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
-        config.graph_options.rewrite_options.disable_meta_optimizer = True  # already optimized
-        with tf.compat.v1.Session(config=config) as sess:
-            sess.run(init)
-            feed = {graph.get_tensor_by_name(n + ":0"): v for n, v in zip(inputs, feeds)}
-            ops = [graph.get_operation_by_name(f) for f in fetch]
-            sess.run(ops, feed)
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            metadata = tf.compat.v1.RunMetadata()
-            sess.run(ops, feed, run_metadata=metadata, options=tf.compat.v1.RunOptions(
-                trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
-            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    rows = []
-    for device in metadata.step_stats.dev_stats:
-        for stats in device.node_stats:
-            out = sum(o.tensor_description.allocation_description.allocated_bytes for o in stats.output)
-            total = sum(m.total_bytes for m in stats.memory)
-            in_use = max([m.allocator_bytes_in_use for m in stats.memory] + [0])
-            op = stats.timeline_label.split("=")[-1].split("(")[0].strip()
-            rows.append((stats.all_start_micros, stats.node_name, op, total - out, out, in_use))
-    rows.sort()
-    return peak, rows
+def read_trace(logdir):
+    """Allocation events and kernel starts, in time order, from the profile in logdir."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0], "rb") as f:
+        space.ParseFromString(f.read())
+    events, kernels = [], []
+    for plane in space.planes:
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                name = names.get(event.metadata_id, "")
+                start = line.timestamp_ns * 1000 + event.offset_ps
+                if name in ("MemoryAllocation", "MemoryDeallocation"):
+                    stats = _stats(plane, event)
+                    stats.update(kind=name, t=start)
+                    events.append(stats)
+                elif ":" in name and "::" not in name and " " not in name:
+                    kernels.append((start, name.rsplit(":", 1)[0]))
+    events.sort(key=lambda e: e["t"])
+    kernels.sort()
+    return events, [name for _, name in kernels]
+
+
+def peak_live_set(events):
+    live, best = {}, (-1, {})
+    for e in events:
+        if e["kind"] == "MemoryAllocation":
+            live[e["addr"]] = e
+        else:
+            live.pop(e["addr"], None)
+        if e["bytes_allocated"] > best[0]:
+            best = (e["bytes_allocated"], dict(live))
+    return best
+
+
+def model_replay(log_path, num_nodes):
+    """The pass's replay of the train step's measured step: node -> (op, bytes
+    allocated, scratch bytes). The log holds one replay per graph the pass saw; the
+    train step's is the last one with its number of nodes."""
+    replays, current = [], None
+    pattern = re.compile(r"\] step (\d+) (\S+) \((\S+)\) alloc (\d+) temp (\d+)")
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            m = pattern.search(line)
+            if not m:
+                continue
+            if m.group(1) == "0":
+                current = {}
+                replays.append(current)
+            current[m.group(2)] = (m.group(3), int(m.group(4)), int(m.group(5)))
+    mine = [r for r in replays if len(r) == num_nodes]
+    return mine[-1] if mine else {}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", choices=list(MODELS))
+    sys.path.insert(0, HERE)
+    parser.add_argument("model")
+    parser.add_argument("--inter-op", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--order", help="write the executor's kernel order here")
     args = parser.parse_args()
-    if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") != "true":
-        parser.error("set TF_CPU_ALLOCATOR_USE_BFC=true (and TF_CPU_BFC_MEM_LIMIT_IN_MB) first")
-    graph_def, report, inputs, fetch, feeds = optimized_step(args.model)
-    peak, rows = trace(graph_def, inputs, fetch, feeds)
-    mib = 2.0**20
-    print(f"{args.model}: measured peak {peak / mib:.1f} MiB (one inter-op thread), "
-          f"predicted {report.predicted_peak_bytes['after']['CPU:0'] / mib:.1f} MiB, "
-          f"{len(rows)} kernels traced")
-    print("kernels allocating beyond their outputs (scratch memory):")
-    for _, node, op, extra, out, in_use in sorted(rows, key=lambda r: -r[3])[:args.top]:
-        if extra <= 0:
-            break
-        print(f"  {extra / mib:8.1f} MiB  {op:<24} out {out / mib:7.1f} MiB  in use {in_use / mib:7.1f} MiB  {node}")
-    top = max(rows, key=lambda r: r[5])
-    print(f"most bytes in use after a kernel: {top[5] / mib:.1f} MiB after {top[1]} ({top[2]})")
+
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    os.environ.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16384")
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    os.environ["TF_CPP_VMODULE"] = "liveness_simulator=2"
+    # The pass logs its replay through TF's C++ logging, to file descriptor 2.
+    log = tempfile.NamedTemporaryFile(prefix="tfmemopt_replay_", suffix=".log", delete=False)
+    saved_stderr = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    try:
+        import tensorflow as tf
+        if args.inter_op:
+            tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
+        import tfmemopt
+        from models import MODELS
+
+        if args.model not in MODELS:
+            parser.error(f"model {args.model!r}; allowed: {', '.join(MODELS)}")
+        tf.keras.utils.set_random_seed(0)
+        tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0)
+        step, (x, y) = MODELS[args.model]()
+        for _ in range(args.warmup):
+            step(x, y)
+    finally:
+        os.dup2(saved_stderr, 2)
+        os.close(saved_stderr)
+    report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train_step")][-1]
+    predicted = report.predicted_peak_bytes["after"]["CPU:0"]
+
+    logdir = tempfile.mkdtemp(prefix="tfmemopt_trace_")
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    tf.profiler.experimental.start(
+        logdir, options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3))
+    step(x, y)
+    tf.profiler.experimental.stop()
+    measured = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    events, kernels = read_trace(logdir)
+    shutil.rmtree(logdir, ignore_errors=True)
+
+    print(f"{args.model}: measured peak {measured / MIB:.1f} MiB (this step), predicted "
+          f"{predicted / MIB:.1f} MiB (model's live tensors {report.to_dict()['devices'][0]['live_peak_bytes'] / MIB:.1f} MiB)")
+    first = events[0]
+    before = first["bytes_allocated"] - (first["allocation_bytes"] if first["kind"] == "MemoryAllocation"
+                                         else -first["allocation_bytes"])
+    in_use, live = peak_live_set(events)
+    print(f"in use before the step {before / MIB:.1f} MiB (persistent {report.persistent_bytes['CPU:0'] / MIB:.1f}"
+          f" MiB in the model); at the traced peak {in_use / MIB:.1f} MiB, chunks live:")
+    for e in sorted(live.values(), key=lambda e: -e["allocation_bytes"])[:args.top]:
+        print(f"  {e['allocation_bytes'] / MIB:8.2f} MiB (requested {e['requested_bytes'] / MIB:7.2f})"
+              f"  {e.get('region_type', ''):<6} {e.get('shape', ''):<18} {e.get('tf_op', '')}")
+
+    scratch = collections.Counter()
+    outputs = collections.Counter()
+    for e in events:
+        if e["kind"] != "MemoryAllocation":
+            continue
+        if e.get("region_type") == "output":
+            outputs[e.get("tf_op", "")] += e["requested_bytes"]
+        else:
+            scratch[e.get("tf_op", "")] += e["requested_bytes"]
+    print("kernel scratch memory (region 'temp'):")
+    for op, size in scratch.most_common(args.top):
+        if size >= 1024:
+            print(f"  {size / MIB:8.3f} MiB  {op}")
+
+    replay = model_replay(log.name, report.num_nodes)
+    os.unlink(log.name)
+    print("kernels whose outputs the model allocates differently (>= 64 KiB):")
+    shown = 0
+    for node, (op, modelled, _) in replay.items():
+        real = outputs.get(node, 0)
+        if "while" in node or max(real, modelled) < 65536:
+            continue  # loop bodies run once per iteration in TF, once in the model
+        if abs(real - modelled) > 0.5 * max(real, modelled):
+            print(f"  model {modelled / MIB:7.2f} MiB  TF {real / MIB:7.2f} MiB  {op:<20} {node}")
+            shown += 1
+            if shown >= args.top:
+                break
+    if args.order:
+        with open(args.order, "w") as f:
+            f.write("\n".join(kernels) + "\n")
+        print(f"executor order ({len(kernels)} kernels) written to {args.order}")
 
 
 if __name__ == "__main__":

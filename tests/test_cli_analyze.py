@@ -95,7 +95,8 @@ def test_saved_model_report_covers_the_function_body(saved_model_run, saved_mode
     (device,) = data["devices"]
     assert device["device"] == "CPU:0" and device["budget_bytes"] == 64 * 2**20
     # Grappler inlined the signature's StatefulPartitionedCall: the train step's
-    # gradient of w1 (and its scaled copy for the update) are live at the peak.
+    # gradient of w1 is live at the peak (its scaled copy for the update reuses
+    # its buffer in place, as TF's Mul kernel does).
     tensors = {t["name"]: t for t in device["top_tensors_at_peak"]}
     grad = tensors["StatefulPartitionedCall/StatefulPartitionedCall/gradient_tape/MatMul/MatMul"]
     assert (grad["bytes"], grad["role"]) == (W1_BYTES, "gradient")
@@ -107,7 +108,7 @@ def test_saved_model_persistent_bytes_are_the_variables(saved_model_run):
     # handles only through Identity nodes; VarHandleOp's dtype/shape still size them.
     (device,) = json_report(saved_model_run[0])["devices"]
     assert VARIABLE_BYTES <= device["persistent_bytes"] <= VARIABLE_BYTES + 4096
-    assert device["peak_after_bytes"] >= VARIABLE_BYTES + 2 * W1_BYTES
+    assert device["peak_after_bytes"] >= VARIABLE_BYTES + W1_BYTES
 
 
 def test_saved_model_plot_and_html_files(saved_model_run):

@@ -12,7 +12,9 @@
 #include "tensorflow/core/grappler/costs/graph_properties.h"
 #include "tensorflow/core/grappler/op_types.h"
 #include "tensorflow/core/grappler/utils.h"
+#include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/util/device_name_utils.h"
+#include "tensorflow/core/util/util.h"
 
 namespace tfmemopt {
 namespace {
@@ -179,18 +181,119 @@ int64_t VariableBytes(const TensorTable& table, const GraphProperties& props,
   return 0;
 }
 
-// Scratch memory of kernels that allocate more than their outputs, as measured on
-// TF 2.21's oneDNN CPU kernels with benchmarks/trace_step_memory.py (RunMetadata
-// step stats of the real executor). MaxPoolGrad re-runs the pooling forward with a
-// workspace: 54.0 MiB of temporaries for an 18.0 MiB gradient, i.e. 3x its grad
-// input. Other kernels are not modelled yet (Conv2DBackpropFilter showed 22.8 MiB
-// for a 72 MiB out_backprop and 6.5 MiB for 42.3 MiB: no rule fits two points).
+// Inputs whose buffer the kernel may take over for output 0 (TF's
+// forward_input_or_allocate_output): element-wise kernels (UnaryOp and BinaryOp
+// in cwise_ops_common.h, UnaryElementWiseOp and BinaryElementWiseOp in
+// numeric_op.h, SimpleBinaryOp), BiasAdd (its input) and AddN (any input).
+// Measured on the five benchmark models (TF 2.21, oneDNN on): such outputs
+// allocate nothing whenever their input had no other reader left.
+std::vector<int> ReusableInputPorts(const NodeDef& node) {
+  static const auto* unary = new std::set<std::string>{
+      "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh",
+      "Elu", "Erf", "Erfc", "Exp", "Expm1", "Floor", "Inv", "Invert", "LeakyRelu",
+      "Log", "Log1p", "LogicalNot", "Neg", "Reciprocal", "Relu", "Relu6", "Rint",
+      "Round", "Rsqrt", "Selu", "Sigmoid", "Sign", "Sin", "Sinh", "Softplus",
+      "Softsign", "Sqrt", "Square", "Tan", "Tanh"};
+  static const auto* binary = new std::set<std::string>{
+      "Add", "AddV2", "Atan2", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "Div",
+      "DivNoNan", "FloorDiv", "FloorMod", "LogicalAnd", "LogicalOr", "Maximum",
+      "Minimum", "Mod", "Mul", "MulNoNan", "Pow", "RealDiv", "SquaredDifference",
+      "Sub", "TruncateDiv", "TruncateMod", "Xdivy", "Xlogy",
+      // Gradients of activations (BinaryElementWiseOp, SimpleBinaryOp).
+      "EluGrad", "InvGrad", "LeakyReluGrad", "ReciprocalGrad", "Relu6Grad",
+      "ReluGrad", "RsqrtGrad", "SeluGrad", "SigmoidGrad", "SoftplusGrad",
+      "SoftsignGrad", "SqrtGrad", "TanhGrad"};
+  if (unary->count(node.op()) || node.op() == "BiasAdd") return {0};
+  if (binary->count(node.op())) return {0, 1};
+  if (node.op() == "AddN") {
+    std::vector<int> all;
+    for (int i = 0; i < node.input_size(); ++i) {
+      if (!absl::StartsWith(node.input(i), "^")) all.push_back(static_cast<int>(all.size()));
+    }
+    return all;
+  }
+  return {};
+}
+
+void BindReusableInputs(TensorTable* table) {
+  for (NodeInfo& node : table->nodes) {
+    if (node.outputs.empty()) continue;
+    const TensorInfo& out = table->tensors[node.outputs[0]];
+    if (!out.size_known || out.bytes == 0) continue;
+    for (int port : ReusableInputPorts(*node.def)) {
+      if (port >= static_cast<int>(node.inputs.size())) continue;
+      const TensorInfo& in = table->tensors[node.inputs[port]];
+      if (in.size_known && in.dtype == out.dtype && in.bytes == out.bytes) {
+        node.reusable_inputs.push_back(port);
+      }
+    }
+  }
+}
+
+// Resource inputs that the kernel updates in place: the Assign*VariableOp family
+// and the Resource(Sparse)Apply* training ops (PrepareToUpdateVariable copies the
+// variable when its buffer is shared), and the ResourceScatter* ops.
+void BindUpdatedVariables(TensorTable* table) {
+  for (NodeInfo& node : table->nodes) {
+    const std::string& op = node.def->op();
+    const bool assign = op == "AssignVariableOp" || op == "AssignAddVariableOp" ||
+                        op == "AssignSubVariableOp" ||
+                        absl::StartsWith(op, "ResourceScatter");
+    const bool apply = absl::StartsWith(op, "ResourceApply") ||
+                       absl::StartsWith(op, "ResourceSparseApply");
+    if (!assign && !apply) continue;
+    for (size_t i = 0; i < node.inputs.size(); ++i) {
+      if (table->tensors[node.inputs[i]].dtype != tensorflow::DT_RESOURCE) continue;
+      node.updated_variables.push_back(static_cast<int>(i));
+      if (assign) break;  // only the first input is the variable
+    }
+  }
+}
+
+// Kernel memory beyond the graph's outputs, measured with
+// benchmarks/trace_step_memory.py (the BFC allocator's own trace of a training
+// step):
+//  * with oneDNN (TF's default on x86 CPUs), its layout pass gives a float
+//    MaxPool whose output a MaxPoolGrad reads a second output, a workspace of one
+//    byte per output element, which the MaxPoolGrad reads instead of recomputing
+//    the pooling: 4.5 MiB next to the CNN's 18 MiB pooled output, live until
+//    MaxPoolGrad, and no scratch there;
+//  * without it, Eigen's MaxPoolGrad allocates a copy of the pooled output and
+//    its int64 argmax as temporaries: 3x its gradient input.
+bool UsesOneDnnWorkspace(const TensorTable& table, const NodeInfo& grad) {
+  static const bool onednn = tensorflow::IsMKLEnabled();
+  if (!onednn || grad.def->op() != "MaxPoolGrad" || grad.inputs.size() < 3 ||
+      !absl::StartsWith(grad.device, "CPU")) {
+    return false;
+  }
+  const TensorInfo& pooled = table.tensors[grad.inputs[1]];
+  return table.nodes[pooled.node].def->op() == "MaxPool" && pooled.port == 0 &&
+         (pooled.dtype == tensorflow::DT_FLOAT || pooled.dtype == tensorflow::DT_BFLOAT16);
+}
+
 void EstimateTempBytes(TensorTable* table) {
   for (NodeInfo& node : table->nodes) {
     if ((node.def->op() == "MaxPoolGrad" || node.def->op() == "MaxPoolGradV2") &&
-        node.inputs.size() >= 3) {
+        node.inputs.size() >= 3 && !UsesOneDnnWorkspace(*table, node)) {
       node.temp_bytes = 3 * table->tensors[node.inputs[2]].bytes;
     }
+  }
+}
+
+// The workspaces, once the table's buffers exist.
+void AddWorkspaceBuffers(TensorTable* table) {
+  for (size_t n = 0; n < table->nodes.size(); ++n) {
+    const NodeInfo& grad = table->nodes[n];
+    if (!UsesOneDnnWorkspace(*table, grad)) continue;
+    const TensorInfo& pooled = table->tensors[grad.inputs[1]];
+    NodeInfo& pool = table->nodes[pooled.node];
+    BufferInfo buffer;
+    buffer.owner = pool.outputs[0];
+    buffer.bytes = pooled.bytes / tensorflow::DataTypeSize(pooled.dtype);
+    buffer.device = pool.device;
+    buffer.released_by = static_cast<int>(n);
+    pool.extra_buffers.push_back(static_cast<int>(table->buffers.size()));
+    table->buffers.push_back(buffer);
   }
 }
 
@@ -225,8 +328,33 @@ bool StartsListInstance(const TensorTable& table, const NodeInfo& node) {
   return IsListCreator(*table.nodes[table.tensors[node.inputs[0]].node].def);
 }
 
-// Sizes each list instance as capacity x the bytes of the item pushed into it. A
-// list of variable reads holds references to the variable's buffer: nothing.
+// Follows `tensor` back through ops that forward their input's buffer. Returns
+// true if the chain passes a Merge (a loop-carried value: a new tensor in every
+// iteration, whatever buffer the first iteration's value had), and sets
+// *from_list if it starts at an element taken from a TensorList (which shares
+// the list's storage).
+bool LoopCarried(const TensorTable& table, int tensor, bool* from_list) {
+  *from_list = false;
+  for (size_t hops = 0; hops < table.tensors.size(); ++hops) {
+    const TensorInfo& t = table.tensors[tensor];
+    const NodeInfo& producer = table.nodes[t.node];
+    const std::string& op = producer.def->op();
+    if (op == "Merge" || op == "RefMerge") return true;
+    if (op == "TensorListGetItem" || (op == "TensorListPopBack" && t.port == 1)) {
+      *from_list = true;
+      return false;
+    }
+    const int source = ForwardedInput(*producer.def, t.port);
+    if (source < 0 || source >= static_cast<int>(producer.inputs.size())) return false;
+    tensor = producer.inputs[source];
+  }
+  return false;
+}
+
+// Sizes each list instance as capacity x the bytes of the item pushed into it.
+// An item pushed as is holds no memory of its own when it is a variable read or a
+// constant (the list references their buffer) or an element of another list; a
+// loop-carried item is new in every iteration, whatever its first value was.
 void BindLoopLists(TensorTable* table) {
   for (const NodeInfo& node : table->nodes) {
     const std::string& op = node.def->op();
@@ -246,9 +374,16 @@ void BindLoopLists(TensorTable* table) {
       table->tensors[list.owner].size_known = false;
       continue;
     }
-    const TensorInfo& item = table->tensors[node.inputs[item_port]];
-    const int64_t item_bytes = table->buffers[item.buffer].persistent ? 0 : item.bytes;
-    list.bytes = std::max(list.bytes, count[0] * item_bytes);
+    const int item_tensor = node.inputs[item_port];
+    const TensorInfo& item = table->tensors[item_tensor];
+    bool from_list = false;
+    const bool carried = LoopCarried(*table, item_tensor, &from_list);
+    const bool referenced = from_list || (!carried && table->buffers[item.buffer].persistent);
+    const int64_t item_bytes = referenced ? 0 : item.bytes;
+    if (count[0] * item_bytes > list.bytes) {
+      list.bytes = count[0] * item_bytes;
+      list.pieces = std::max<int64_t>(count[0], 1);
+    }
     table->tensors[list.owner].bytes = list.bytes;
     if (!item.size_known) table->tensors[list.owner].size_known = false;
   }
@@ -281,13 +416,10 @@ std::string TensorTable::TensorName(int tensor) const {
   return t.port == 0 ? node : absl::StrCat(node, ":", t.port);
 }
 
-absl::Status BuildTensorTable(const GrapplerItem& item,
-                              const MemoryOptimizerOptions& options,
-                              TensorTable* table) {
-  *table = TensorTable();
-  const tensorflow::GraphDef& graph = item.graph;
-  GraphProperties properties(item);
-  absl::Status status = properties.InferStatically(
+namespace {
+
+absl::Status InferShapes(GraphProperties* properties) {
+  absl::Status status = properties->InferStatically(
       /*assume_valid_feeds=*/true, /*aggressive_shape_inference=*/false,
       /*include_input_tensor_values=*/false,
       /*include_output_tensor_values=*/false);
@@ -295,6 +427,17 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
     return absl::Status(status.code(),
                         absl::StrCat("shape inference: ", status.message()));
   }
+  return absl::OkStatus();
+}
+
+// The table of `item`, with shapes from `properties`: inferred on `item` or on a
+// copy of it whose nodes have the same names.
+absl::Status BuildFromProperties(const GrapplerItem& item,
+                                 const GraphProperties& properties,
+                                 const MemoryOptimizerOptions& options,
+                                 TensorTable* table) {
+  *table = TensorTable();
+  const tensorflow::GraphDef& graph = item.graph;
 
   // The batch dimension: the symbolic dim 0 of every graph input.
   std::set<int64_t> batch_symbols;
@@ -437,6 +580,9 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
         buffer.bytes = tensor.bytes;
         buffer.persistent = IsPersistentProducer(*node.def);
         if (buffer.persistent) tensor.role = TensorRole::kPersistent;
+        // PlaceholderWithDefault hands out its default unless it is fed.
+        buffer.external = node.def->op() == "_Arg" || node.def->op() == "Placeholder" ||
+                          feeds.count(node.def->name()) > 0;
       }
       tensor.buffer = static_cast<int>(table->buffers.size());
       table->buffers.push_back(buffer);
@@ -475,8 +621,104 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
     table->buffers.push_back(buffer);
   }
   BindLoopLists(table);
+  BindReusableInputs(table);
+  BindUpdatedVariables(table);
+  AddWorkspaceBuffers(table);
   for (size_t t = 0; t < table->tensors.size(); ++t) {
-    if (!table->tensors[t].size_known) table->unresolved_tensors.push_back(t);
+    if (!table->tensors[t].size_known) {
+      table->unresolved_tensors.push_back(t);
+      VLOG(2) << "unresolved " << table->TensorName(t) << " ("
+              << table->nodes[table->tensors[t].node].def->op() << ")";
+    }
+  }
+  return absl::OkStatus();
+}
+
+// An int32 vector constant.
+NodeDef ShapeConst(const std::string& name, const std::string& device,
+                   const tensorflow::TensorShapeProto& shape) {
+  NodeDef node;
+  node.set_name(name);
+  node.set_op("Const");
+  node.set_device(device);
+  (*node.mutable_attr())["dtype"].set_type(tensorflow::DT_INT32);
+  tensorflow::TensorProto* value = (*node.mutable_attr())["value"].mutable_tensor();
+  value->set_dtype(tensorflow::DT_INT32);
+  value->mutable_tensor_shape()->add_dim()->set_size(shape.dim_size());
+  for (const auto& dim : shape.dim()) value->add_int_val(static_cast<int32_t>(dim.size()));
+  return node;
+}
+
+bool FullyDefined(const tensorflow::TensorShapeProto& shape) {
+  if (shape.unknown_rank()) return false;
+  for (const auto& dim : shape.dim()) {
+    if (dim.size() < 0) return false;
+  }
+  return true;
+}
+
+const tensorflow::TensorShapeProto* OutputShape(const GraphProperties& properties,
+                                                const TensorTable& table, int tensor) {
+  const TensorInfo& t = table.tensors[tensor];
+  const std::string& name = table.nodes[t.node].def->name();
+  if (!properties.HasOutputProperties(name)) return nullptr;
+  const auto& outputs = properties.GetOutputProperties(name);
+  if (t.port >= static_cast<int>(outputs.size())) return nullptr;
+  return &outputs[t.port].shape();
+}
+
+// Shape inference does not evaluate VariableShape, so the zero-filled gradient
+// accumulators of a loop (Fill(VariableShape(v), 0)) and everything computed
+// from them stay unknown (30 tensors of the benchmark LSTM). In a copy of the
+// graph such VariableShapes become constants of the variable's shape; returns
+// false if there is none.
+bool GiveVariableShapes(const GrapplerItem& item, const TensorTable& table,
+                        const GraphProperties& properties, GrapplerItem* copy) {
+  tensorflow::GraphDef graph = item.graph;
+  bool changed = false;
+  for (size_t n = 0; n < table.nodes.size(); ++n) {
+    const NodeInfo& node = table.nodes[n];
+    if (node.def->op() != "VariableShape" || node.inputs.empty()) continue;
+    if (node.def->attr().count("out_type") &&
+        node.def->attr().at("out_type").type() != tensorflow::DT_INT32) {
+      continue;
+    }
+    const tensorflow::TensorShapeProto* value = nullptr;
+    for (int reader : table.tensors[node.inputs[0]].consumers) {
+      if (table.nodes[reader].def->op() != "ReadVariableOp") continue;
+      const tensorflow::TensorShapeProto* shape =
+          OutputShape(properties, table, table.nodes[reader].outputs[0]);
+      if (shape != nullptr && FullyDefined(*shape)) value = shape;
+    }
+    if (value == nullptr) continue;
+    NodeDef constant = ShapeConst(node.def->name(), node.def->device(), *value);
+    constant.add_input(absl::StrCat("^", tensorflow::grappler::NodeName(node.def->input(0))));
+    *graph.mutable_node(n) = constant;
+    changed = true;
+  }
+  if (!changed) return false;
+  *copy = item.WithGraph(std::move(graph));
+  return true;
+}
+
+}  // namespace
+
+absl::Status BuildTensorTable(const GrapplerItem& item,
+                              const MemoryOptimizerOptions& options,
+                              TensorTable* table) {
+  GraphProperties properties(item);
+  absl::Status status = InferShapes(&properties);
+  if (!status.ok()) return status;
+  status = BuildFromProperties(item, properties, options, table);
+  if (!status.ok() || table->unresolved_tensors.empty()) return status;
+  GrapplerItem copy;
+  if (!GiveVariableShapes(item, *table, properties, &copy)) return absl::OkStatus();
+  GraphProperties refined(copy);
+  if (!InferShapes(&refined).ok()) return absl::OkStatus();
+  TensorTable second;
+  if (BuildFromProperties(item, refined, options, &second).ok() &&
+      second.unresolved_tensors.size() < table->unresolved_tensors.size()) {
+    *table = std::move(second);
   }
   return absl::OkStatus();
 }

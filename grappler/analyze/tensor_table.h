@@ -56,15 +56,40 @@ struct NodeInfo {
   int64_t temp_bytes = 0;
   // Predicted run time (OpLevelCostEstimator), for the planner's cost model.
   double compute_seconds = 0;
+  // Inputs (positions in `inputs`) whose buffer output 0 takes over, instead of
+  // allocating one, when this node is the buffer's last reader: TF's element-wise
+  // kernels call forward_input_or_allocate_output, which forwards an input whose
+  // reference count is one. Only inputs of output 0's dtype and byte size are
+  // listed; whether the buffer is free to take depends on the order, so the
+  // simulator decides.
+  std::vector<int> reusable_inputs;
+  // Resource inputs (positions in `inputs`) whose variable the kernel updates in
+  // place. TF copies the variable first if a read of it is still live
+  // (copy-on-write); the simulator counts that copy.
+  std::vector<int> updated_variables;
+  // Buffers the kernel allocates beyond its graph outputs, such as oneDNN's
+  // MaxPool workspace (indices into TensorTable::buffers; see
+  // BufferInfo::released_by). They are not graph tensors: nothing can swap or
+  // recompute them.
+  std::vector<int> extra_buffers;
   std::vector<int> inputs;   // tensor indices of data inputs
   std::vector<int> outputs;  // tensor indices
   std::vector<int> control_inputs;  // node indices
 };
 
 struct BufferInfo {
-  int owner = -1;  // tensor that allocated it
+  int owner = -1;  // tensor that allocated it (for an extra buffer: its node's output 0)
   int64_t bytes = 0;  // device bytes
   bool persistent = false;
+  // Fed by the caller (function arguments, feeds): allocated before the step
+  // starts and still held by the caller when it ends.
+  bool external = false;
+  // An extra buffer of a kernel (NodeInfo::extra_buffers) is freed after this
+  // node runs; -1 for every other buffer.
+  int released_by = -1;
+  // Separate allocations the buffer is made of, of bytes / pieces each: a
+  // TensorList holds one per element.
+  int64_t pieces = 1;
   std::string device;
   // Bytes held in host memory outside the device's allocator instead (a swapped-out
   // tensor); such a buffer has bytes == 0.

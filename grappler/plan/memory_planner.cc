@@ -9,7 +9,6 @@
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/grappler/op_types.h"
-#include "grappler/simulate/execution_order.h"
 #include "tensorflow/core/platform/logging.h"
 
 namespace tfmemopt {
@@ -100,7 +99,8 @@ bool Swappable(const TensorTable& table, const ControlFlowInfo& flow,
   const std::string& op = producer.def->op();
   if (op == "_Arg" || op == "Placeholder" || op == "PlaceholderWithDefault") return false;
   return !producer.backward && !flow.Under(t.node) && SwappableType(t.dtype) && t.size_known &&
-         !table.buffers[t.buffer].persistent && FilterReason(*producer.def, options).empty();
+         !table.buffers[t.buffer].persistent && !table.buffers[t.buffer].external &&
+         FilterReason(*producer.def, options).empty();
 }
 
 // Fraction of a swap's copy time the device cannot hide behind compute.
@@ -242,9 +242,9 @@ class Planner {
       Unapply();
       return status;
     }
-    // Simulated in the order Grappler will sort the rewritten graph in (the verify
-    // stage's), not the order the rewrite was built around.
-    status = GrapplerTopologicalOrder(work_, &out->order);
+    // Simulated in the order the verify stage gives the rewritten graph (the
+    // executor's, emulated), not the order the rewrite was built around.
+    status = ExecutorOrder(work_, &out->order);
     if (!status.ok()) {
       Unapply();
       return status;

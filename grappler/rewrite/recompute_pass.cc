@@ -183,6 +183,11 @@ absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& or
     info.backward = true;
     info.inputs.clear();
     info.outputs.clear();
+    // The original keeps its kernel's extra buffers (a MaxPool workspace) until
+    // their reader runs, which now reads the clone's: counting them once, on the
+    // original, over-estimates the clone's shorter-lived ones, never under.
+    info.extra_buffers.clear();
+    info.updated_variables.clear();
     for (int t : original.inputs) {
       const int producer = table.tensors[t].node;
       const int source = clone_node[producer] >= 0

@@ -3,9 +3,9 @@
 // It is the order Grappler's ComputeTopologicalOrder gives the graph (Kahn's
 // algorithm: ready nodes first in node order, then breadth-first over sorted,
 // deduplicated fan-outs; a Merge's NextIteration inputs count as ready), computed
-// here on a tensor table. The planner simulates each candidate rewrite in it, and
-// the verify stage, which sorts the rewritten GraphDef with Grappler's own
-// function, gets the same order: planner and report judge a plan on one schedule.
+// here on a tensor table, so that tables without a GraphDef (the planner's working
+// tables, with a candidate rewrite applied in place) are sorted as their rewritten
+// graphs would be. ExecutorOrder (liveness_simulator.h) builds on it.
 #ifndef TFMEMOPT_GRAPPLER_SIMULATE_EXECUTION_ORDER_H_
 #define TFMEMOPT_GRAPPLER_SIMULATE_EXECUTION_ORDER_H_
 

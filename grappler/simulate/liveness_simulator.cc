@@ -1,29 +1,595 @@
 #include "grappler/simulate/liveness_simulator.h"
 
-#include <algorithm>
-#include <functional>
+#include "grappler/simulate/execution_order.h"
 
+#include <algorithm>
+#include <deque>
+
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "grappler/simulate/bfc_allocator_model.h"
+#include "grappler/simulate/execution_order.h"
+#include "tensorflow/core/graph/tensor_id.h"
 #include "tensorflow/core/grappler/utils/topological_sort.h"
+#include "tensorflow/core/platform/logging.h"
 
 namespace tfmemopt {
+namespace {
+
+// Kernels that TF's executor always runs inline, without a thread-pool task:
+// they override OpKernel::IsExpensive() to return false (constants, identities,
+// variable reads, shape queries, loop plumbing).
+bool AlwaysInexpensive(const std::string& op) {
+  static const auto* ops = new absl::flat_hash_set<std::string>{
+      "Const", "HostConst", "Identity", "IdentityN", "NoOp", "Shape", "ShapeN", "Size",
+      "Rank", "Reshape", "Squeeze", "ExpandDims", "StopGradient", "ReadVariableOp",
+      "VarHandleOp", "VariableShape", "_Arg", "_Retval", "Enter", "RefEnter", "Exit",
+      "RefExit", "Merge", "RefMerge", "Switch", "RefSwitch", "NextIteration",
+      "RefNextIteration", "LoopCond", "ControlTrigger"};
+  return ops->count(op) > 0;
+}
+
+// A kernel that reads and writes less than this runs in under TF's
+// kOpIsExpensiveThresholdCycles (8000 cycles, a few microseconds), and the
+// executor's cost model marks it inexpensive after the first step.
+constexpr int64_t kExpensiveKernelBytes = 64 << 10;
+
+bool IsExpensive(const TensorTable& table, int n) {
+  const NodeInfo& node = table.nodes[n];
+  if (AlwaysInexpensive(node.def->op())) return false;
+  int64_t bytes = 0;
+  for (int t : node.inputs) bytes += table.tensors[t].bytes;
+  for (int t : node.outputs) bytes += table.tensors[t].bytes;
+  return bytes >= kExpensiveKernelBytes;
+}
+
+int64_t OutputBytes(const TensorTable& table, int n) {
+  int64_t bytes = 0;
+  for (int t : table.nodes[n].outputs) bytes += table.tensors[t].bytes;
+  return bytes;
+}
+
+// What a replay reports as it runs; the timeline, the peak's live set and the
+// allocator model are each one listener.
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  virtual void Allocated(int buffer) {}
+  virtual void Freed(int buffer) {}
+  // In-place reuse: buffer `to` now holds what buffer `from` held the memory of.
+  virtual void Reused(int from, int to) {}
+  // A variable is copied before an in-place update (copy-on-write); the copy
+  // becomes the variable's buffer.
+  virtual void VariableCopied(int buffer) {}
+  // The last read of the variable's old buffers is done.
+  virtual void OldCopiesFreed(int buffer) {}
+  // Called once per step, between the step's allocations and its releases.
+  virtual void Step(size_t step) {}
+};
+
+// Replays an order, buffer by buffer.
+class Replay {
+ public:
+  Replay(const TensorTable& table, const std::vector<int>& order,
+         const std::vector<int>& position, const std::vector<int>& device_of_buffer,
+         int num_devices)
+      : table_(table),
+        order_(order),
+        position_(position),
+        device_of_buffer_(device_of_buffer),
+        num_devices_(num_devices) {
+    for (size_t b = 0; b < table.buffers.size(); ++b) {
+      if (table.buffers[b].released_by >= 0) {
+        extra_released_by_[table.buffers[b].released_by].push_back(static_cast<int>(b));
+      }
+    }
+  }
+
+  bool ForwardEdge(int tensor, int consumer) const {
+    return position_[table_.tensors[tensor].node] < position_[consumer];
+  }
+
+  // Runs steps 0..last.
+  void Run(size_t last, Listener* listener) {
+    const size_t num_buffers = table_.buffers.size();
+    alias_.resize(num_buffers);
+    for (size_t b = 0; b < num_buffers; ++b) alias_[b] = static_cast<int>(b);
+    // Remaining reads per buffer: every forward consumer edge of every tensor on
+    // it. Fetched and external buffers hold one read that is never released.
+    pending_.assign(num_buffers, 0);
+    for (size_t t = 0; t < table_.tensors.size(); ++t) {
+      for (int consumer : table_.tensors[t].consumers) {
+        if (ForwardEdge(t, consumer)) ++pending_[table_.tensors[t].buffer];
+      }
+    }
+    for (int t : table_.fetch_tensors) ++pending_[table_.tensors[t].buffer];
+    live_.assign(num_buffers, false);
+    gradient_role_.assign(num_buffers, false);
+    for (size_t b = 0; b < num_buffers; ++b) {
+      gradient_role_[b] = table_.tensors[table_.buffers[b].owner].role == TensorRole::kGradient;
+    }
+    value_reads_.assign(num_buffers, 0);
+    old_reads_.assign(num_buffers, 0);
+    copy_bytes_.assign(num_buffers, 0);
+    generation_.assign(num_buffers, 0);
+    tensor_generation_.assign(table_.tensors.size(), 0);
+    activation.assign(num_devices_, 0);
+    gradient.assign(num_devices_, 0);
+    for (size_t b = 0; b < num_buffers; ++b) {
+      if (table_.buffers[b].external && !table_.buffers[b].persistent) {
+        ++pending_[b];
+        live_[b] = true;
+        Add(b, +1);
+      }
+    }
+    for (size_t step = 0; step <= last && step < order_.size(); ++step) {
+      RunStep(step, listener);
+    }
+  }
+
+  int Resolve(int b) {
+    while (alias_[b] != b) {
+      alias_[b] = alias_[alias_[b]];
+      b = alias_[b];
+    }
+    return b;
+  }
+  bool live(int b) const { return live_[b]; }
+
+  // Transient bytes live now, per device and role.
+  std::vector<int64_t> activation, gradient;
+
+ private:
+  void Add(int b, int64_t sign) {
+    std::vector<int64_t>& role = gradient_role_[b] ? gradient : activation;
+    role[device_of_buffer_[b]] += sign * table_.buffers[b].bytes;
+  }
+
+  void Release(int b, Listener* listener) {
+    if (pending_[b] == 0 && live_[b]) {
+      live_[b] = false;
+      Add(b, -1);
+      listener->Freed(b);
+    }
+  }
+
+  // A value read of a variable: a non-resource tensor on a persistent buffer.
+  bool IsVariableValue(int tensor, int b) const {
+    return table_.buffers[b].persistent &&
+           table_.tensors[tensor].dtype != tensorflow::DT_RESOURCE;
+  }
+
+  // The input buffer whose memory output `tensor` of `node` can take over, or
+  // -1: a reusable input that is live, transient, on the same device and of the
+  // same size, and that has no reader left but this node (TF checks that the
+  // buffer's reference count is one).
+  int TakeOver(const NodeInfo& node, int node_index, int tensor) {
+    const int own = table_.tensors[tensor].buffer;
+    for (int port : node.reusable_inputs) {
+      const int input = node.inputs[port];
+      if (!ForwardEdge(input, node_index)) continue;
+      const int b = Resolve(table_.tensors[input].buffer);
+      const BufferInfo& buffer = table_.buffers[b];
+      if (live_[b] && !buffer.persistent && !buffer.external && pending_[b] == 1 &&
+          buffer.bytes == table_.buffers[own].bytes &&
+          device_of_buffer_[b] == device_of_buffer_[own]) {
+        return b;
+      }
+    }
+    return -1;
+  }
+
+  void RunStep(size_t step, Listener* listener) {
+    const int n = order_[step];
+    const NodeInfo& node = table_.nodes[n];
+    for (size_t i = 0; i < node.outputs.size(); ++i) {
+      const int t = node.outputs[i];
+      const int own = table_.tensors[t].buffer;
+      const BufferInfo& buffer = table_.buffers[own];
+      if (buffer.persistent) {
+        // A read of a variable (or constant) holds its buffer until the read's
+        // readers are done, which a copy-on-write must respect.
+        if (table_.tensors[t].dtype != tensorflow::DT_RESOURCE) {
+          const int b = Resolve(own);
+          for (int consumer : table_.tensors[t].consumers) {
+            if (ForwardEdge(t, consumer)) ++value_reads_[b];
+          }
+          tensor_generation_[t] = generation_[b];
+        }
+        continue;
+      }
+      // Forwarded outputs were counted when their buffer's owner ran.
+      if (live_[own] || buffer.owner != t || alias_[own] != own) continue;
+      const int reused = i == 0 ? TakeOver(node, n, t) : -1;
+      if (reused >= 0) {
+        // The output inherits the input's memory; the input's value ends here,
+        // and this node's read of it is the one read left.
+        alias_[reused] = own;
+        pending_[own] += pending_[reused];
+        pending_[reused] = 0;
+        live_[reused] = false;
+        Add(reused, -1);
+        live_[own] = true;
+        Add(own, +1);
+        listener->Reused(reused, own);
+        continue;
+      }
+      live_[own] = true;
+      Add(own, +1);
+      listener->Allocated(own);
+    }
+    for (int b : node.extra_buffers) {
+      live_[b] = true;
+      Add(b, +1);
+      listener->Allocated(b);
+    }
+    for (int port : node.updated_variables) {
+      const int b = Resolve(table_.tensors[node.inputs[port]].buffer);
+      if (!table_.buffers[b].persistent || value_reads_[b] == 0) continue;
+      old_reads_[b] += value_reads_[b];
+      value_reads_[b] = 0;
+      ++generation_[b];
+      copy_bytes_[b] += table_.buffers[b].bytes;
+      gradient[device_of_buffer_[b]] += table_.buffers[b].bytes;
+      listener->VariableCopied(b);
+    }
+    listener->Step(step);
+    for (int t : node.inputs) {
+      if (!ForwardEdge(t, n)) continue;
+      const int b = Resolve(table_.tensors[t].buffer);
+      --pending_[b];
+      if (IsVariableValue(t, b)) {
+        if (tensor_generation_[t] == generation_[b]) {
+          --value_reads_[b];
+        } else if (old_reads_[b] > 0 && --old_reads_[b] == 0) {
+          gradient[device_of_buffer_[b]] -= copy_bytes_[b];
+          copy_bytes_[b] = 0;
+          listener->OldCopiesFreed(b);
+        }
+      }
+      Release(b, listener);
+    }
+    for (int t : node.outputs) Release(Resolve(table_.tensors[t].buffer), listener);
+    // Extra buffers go after their reader has run, or at once without one.
+    auto free_extra = [&](int b) {
+      if (!live_[b]) return;
+      live_[b] = false;
+      Add(b, -1);
+      listener->Freed(b);
+    };
+    for (int b : node.extra_buffers) {
+      const int reader = table_.buffers[b].released_by;
+      if (reader < 0 || position_[reader] <= position_[n]) free_extra(b);
+    }
+    auto it = extra_released_by_.find(n);
+    if (it != extra_released_by_.end()) {
+      for (int b : it->second) free_extra(b);
+    }
+  }
+
+  const TensorTable& table_;
+  const std::vector<int>& order_;
+  const std::vector<int>& position_;
+  const std::vector<int>& device_of_buffer_;
+  const int num_devices_;
+  absl::flat_hash_map<int, std::vector<int>> extra_released_by_;
+  std::vector<int> alias_;  // in-place reuse: a buffer's memory now serves another
+  std::vector<int64_t> pending_;
+  std::vector<bool> live_;
+  std::vector<bool> gradient_role_;
+  // Copy-on-write bookkeeping per variable buffer: reads of its current value,
+  // reads still holding old copies, the bytes of those copies, and a generation
+  // that tells the two kinds of read apart.
+  std::vector<int64_t> value_reads_, old_reads_, copy_bytes_;
+  std::vector<int> generation_, tensor_generation_;
+};
+
+// The timeline: live bytes per device and role at every step, and the peak.
+class TimelineListener : public Listener {
+ public:
+  TimelineListener(const TensorTable& table, const std::vector<int>& order,
+                   const std::vector<int>& device_of_node, Replay* replay,
+                   SimulationResult* result)
+      : table_(table), order_(order), device_of_node_(device_of_node),
+        replay_(replay), result_(result) {}
+
+  void Step(size_t step) override {
+    const NodeInfo& node = table_.nodes[order_[step]];
+    for (size_t d = 0; d < result_->devices.size(); ++d) {
+      DeviceTimeline& timeline = result_->devices[d];
+      // A kernel's scratch memory counts while it runs, as part of its step.
+      const int64_t temp =
+          device_of_node_[order_[step]] == static_cast<int>(d) ? node.temp_bytes : 0;
+      std::vector<int64_t>& role = node.backward ? replay_->gradient : replay_->activation;
+      role[d] += temp;
+      const int64_t total =
+          timeline.persistent_bytes + replay_->activation[d] + replay_->gradient[d];
+      if (total > timeline.peak_bytes || timeline.peak_step < 0) {
+        timeline.peak_bytes = total;
+        timeline.peak_step = static_cast<int>(step);
+      }
+      timeline.activation_bytes.push_back(replay_->activation[d]);
+      timeline.gradient_bytes.push_back(replay_->gradient[d]);
+      role[d] -= temp;
+    }
+  }
+
+ private:
+  const TensorTable& table_;
+  const std::vector<int>& order_;
+  const std::vector<int>& device_of_node_;
+  Replay* replay_;
+  SimulationResult* result_;
+};
+
+// The buffers live at one device's peak step.
+class PeakSetListener : public Listener {
+ public:
+  PeakSetListener(const TensorTable& table, size_t peak_step, int device,
+                  const std::vector<int>& device_of_buffer, Replay* replay,
+                  DeviceTimeline* timeline)
+      : table_(table), peak_step_(peak_step), device_(device),
+        device_of_buffer_(device_of_buffer), replay_(replay), timeline_(timeline) {}
+
+  void Step(size_t step) override {
+    if (step != peak_step_) return;
+    // Kernels' extra buffers are not graph tensors (nothing can swap or recompute
+    // them), so they count in the peak but are not listed.
+    for (size_t b = 0; b < device_of_buffer_.size(); ++b) {
+      if (replay_->live(b) && device_of_buffer_[b] == device_ &&
+          table_.buffers[b].released_by < 0) {
+        timeline_->live_at_peak.push_back(b);
+      }
+    }
+  }
+
+ private:
+  const TensorTable& table_;
+  size_t peak_step_;
+  int device_;
+  const std::vector<int>& device_of_buffer_;
+  Replay* replay_;
+  DeviceTimeline* timeline_;
+};
+
+// Replays one device's allocations through the BFC model.
+class AllocatorListener : public Listener {
+ public:
+  AllocatorListener(const TensorTable& table, const std::vector<int>& order,
+                    const std::vector<int>& device_of_node,
+                    const std::vector<int>& device_of_buffer, int device,
+                    BfcAllocatorModel* allocator)
+      : table_(table), order_(order), device_of_node_(device_of_node),
+        device_of_buffer_(device_of_buffer), device_(device), allocator_(allocator),
+        chunk_(table.buffers.size(), -2), old_copies_(table.buffers.size()) {}
+
+  // Variables, constants and the caller's inputs exist before the step.
+  void AllocateResident() {
+    for (size_t b = 0; b < table_.buffers.size(); ++b) {
+      if ((table_.buffers[b].persistent || table_.buffers[b].external) && Mine(b)) {
+        chunk_[b] = Allocate(b);
+      }
+    }
+  }
+  // Frees what a step left behind (fetched outputs, old variable copies).
+  void EndStep() {
+    for (size_t b = 0; b < chunk_.size(); ++b) {
+      if (!table_.buffers[b].persistent && !table_.buffers[b].external) Freed(b);
+      OldCopiesFreed(b);
+    }
+  }
+
+  void Allocated(int b) override {
+    if (!Mine(b)) return;
+    chunk_[b] = Allocate(b);
+    step_bytes_ += table_.buffers[b].bytes;
+  }
+  void Freed(int b) override {
+    Free(chunk_[b]);
+    chunk_[b] = -2;
+  }
+  void Reused(int from, int to) override {
+    chunk_[to] = chunk_[from];
+    chunk_[from] = -2;
+  }
+  void VariableCopied(int b) override {
+    if (!Mine(b)) return;
+    old_copies_[b].push_back(chunk_[b]);
+    chunk_[b] = Allocate(b);
+    step_bytes_ += table_.buffers[b].bytes;
+  }
+  void OldCopiesFreed(int b) override {
+    for (int64_t chunk : old_copies_[b]) Free(chunk);
+    old_copies_[b].clear();
+  }
+  void Step(size_t step) override {
+    const int n = order_[step];
+    if (device_of_node_[n] == device_ && table_.nodes[n].temp_bytes > 0) {
+      allocator_->Free(allocator_->Allocate(table_.nodes[n].temp_bytes));
+    }
+    // The measured step, kernel by kernel, for benchmarks/trace_step_memory.py.
+    if (VLOG_IS_ON(2) && log_) {
+      const NodeInfo& node = table_.nodes[n];
+      VLOG(2) << "step " << step << " " << node.def->name() << " (" << node.def->op()
+              << ") alloc " << step_bytes_ << " temp " << node.temp_bytes << " bfc "
+              << allocator_->bytes_in_use();
+    }
+    step_bytes_ = 0;
+  }
+  void set_log(bool log) { log_ = log; }
+
+ private:
+  bool Mine(int b) const { return device_of_buffer_[b] == device_; }
+
+  // A buffer of several pieces is several chunks; the id of its first piece
+  // stands for them all.
+  int64_t Allocate(int b) {
+    const BufferInfo& buffer = table_.buffers[b];
+    const int64_t piece = buffer.pieces > 1 ? buffer.bytes / buffer.pieces : 0;
+    if (piece <= 0) return allocator_->Allocate(buffer.bytes);
+    const int64_t first = allocator_->Allocate(piece);
+    if (first < 0) return first;
+    std::vector<int64_t>& rest = pieces_[first];
+    for (int64_t i = 1; i < buffer.pieces; ++i) rest.push_back(allocator_->Allocate(piece));
+    return first;
+  }
+  void Free(int64_t chunk) {
+    if (chunk < 0) return;
+    auto it = pieces_.find(chunk);
+    if (it != pieces_.end()) {
+      for (int64_t piece : it->second) allocator_->Free(piece);
+      pieces_.erase(it);
+    }
+    allocator_->Free(chunk);
+  }
+
+  const TensorTable& table_;
+  const std::vector<int>& order_;
+  const std::vector<int>& device_of_node_;
+  const std::vector<int>& device_of_buffer_;
+  const int device_;
+  BfcAllocatorModel* allocator_;
+  std::vector<int64_t> chunk_;
+  std::vector<std::vector<int64_t>> old_copies_;
+  absl::flat_hash_map<int64_t, std::vector<int64_t>> pieces_;  // first piece -> the others
+  int64_t step_bytes_ = 0;  // allocated by the current step
+  bool log_ = false;
+};
+
+int DeviceIndex(const std::vector<std::string>& devices, const std::string& device) {
+  auto it = std::lower_bound(devices.begin(), devices.end(), device);
+  return static_cast<int>(it - devices.begin());
+}
+
+}  // namespace
+
+// TF's executor (ExecutorState::Process and ScheduleReady, executor.cc) runs a
+// finished kernel's newly ready successors as follows: inexpensive ones inline,
+// first come first served; of the expensive ones, one inline once nothing
+// inexpensive is pending, the others as tasks on the inter-op pool, whose
+// thread takes the task scheduled last first (Eigen's run queue is LIFO for its
+// own thread). The graph's roots are queued behind them. The emulation follows
+// these rules with one inter-op thread. Which expensive successor TF runs inline
+// depends on the order of the node's out edges, which TF's graph rewrites
+// (oneDNN's layout pass among them) leave arbitrary; measured on ResNet50 and the
+// MLP, the executor finished a weight's gradient and its optimizer update before
+// the data gradient in 53 of 55 layers (so the update copies the variable that
+// the data gradient still reads). The emulation therefore runs inline the
+// expensive successor nearest to a variable update, then the one with the
+// largest output.
+absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
+  // Grappler's topological order tells loop back edges from forward ones; it is
+  // computed on the table, so the planner's working tables (clones and swap nodes
+  // applied in place, no GraphDef) are ordered exactly as their rewritten graphs.
+  std::vector<int> topo;
+  absl::Status status = GrapplerTopologicalOrder(table, &topo);
+  if (!status.ok()) return status;
+  const int num_nodes = static_cast<int>(table.nodes.size());
+  std::vector<int> topo_position(num_nodes, -1);
+  for (size_t i = 0; i < topo.size(); ++i) topo_position[topo[i]] = static_cast<int>(i);
+  // Data and control edges; an edge from a node that Grappler orders later is a
+  // loop back edge.
+  std::vector<std::vector<int>> successors(num_nodes);
+  std::vector<int> waiting(num_nodes, 0);
+  auto add_edge = [&](int from, int to) {
+    if (topo_position[from] >= topo_position[to]) return;
+    successors[from].push_back(to);
+    ++waiting[to];
+  };
+  for (int n = 0; n < num_nodes; ++n) {
+    for (int t : table.nodes[n].inputs) add_edge(table.tensors[t].node, n);
+    for (int c : table.nodes[n].control_inputs) add_edge(c, n);
+  }
+  // Distance (in edges) to the nearest variable update.
+  std::vector<int> to_update(num_nodes, num_nodes);
+  {
+    std::vector<std::vector<int>> predecessors(num_nodes);
+    std::deque<int> frontier;
+    for (int n = 0; n < num_nodes; ++n) {
+      for (int s : successors[n]) predecessors[s].push_back(n);
+      if (!table.nodes[n].updated_variables.empty()) {
+        to_update[n] = 0;
+        frontier.push_back(n);
+      }
+    }
+    while (!frontier.empty()) {
+      const int n = frontier.front();
+      frontier.pop_front();
+      for (int p : predecessors[n]) {
+        if (to_update[p] > to_update[n] + 1) {
+          to_update[p] = to_update[n] + 1;
+          frontier.push_back(p);
+        }
+      }
+    }
+  }
+  std::vector<bool> expensive(num_nodes);
+  for (int n = 0; n < num_nodes; ++n) expensive[n] = IsExpensive(table, n);
+  // Better candidates to run inline sort last.
+  auto inline_last = [&](int a, int b) {
+    if (to_update[a] != to_update[b]) return to_update[a] > to_update[b];
+    const int64_t bytes_a = OutputBytes(table, a), bytes_b = OutputBytes(table, b);
+    if (bytes_a != bytes_b) return bytes_a < bytes_b;
+    return a > b;
+  };
+
+  // Roots: the caller's inputs first (the executor's graph creates a function's
+  // arguments first, in argument order), then the others in graph order.
+  std::vector<std::pair<int64_t, int>> roots;
+  for (int n = 0; n < num_nodes; ++n) {
+    if (waiting[n] != 0) continue;
+    const tensorflow::NodeDef& def = *table.nodes[n].def;
+    int64_t key = 2 * static_cast<int64_t>(num_nodes) + n;
+    if (def.op() == "_Arg" && def.attr().count("index")) {
+      key = def.attr().at("index").i();
+    } else if (def.op() == "Placeholder") {
+      key = num_nodes + n;
+    }
+    roots.push_back({key, n});
+  }
+  std::sort(roots.begin(), roots.end());
+  std::deque<int> pool;
+  for (const auto& root : roots) pool.push_back(root.second);
+
+  order->clear();
+  order->reserve(num_nodes);
+  std::deque<int> inline_ready;
+  std::vector<int> ready_expensive;
+  while (!pool.empty()) {
+    inline_ready.push_back(pool.front());
+    pool.pop_front();
+    while (!inline_ready.empty()) {
+      const int n = inline_ready.front();
+      inline_ready.pop_front();
+      order->push_back(n);
+      ready_expensive.clear();
+      for (int s : successors[n]) {
+        if (--waiting[s] != 0) continue;
+        if (expensive[s]) {
+          ready_expensive.push_back(s);
+        } else {
+          inline_ready.push_back(s);
+        }
+      }
+      if (ready_expensive.empty()) continue;
+      std::sort(ready_expensive.begin(), ready_expensive.end(), inline_last);
+      if (inline_ready.empty()) {
+        inline_ready.push_back(ready_expensive.back());
+        ready_expensive.pop_back();
+      }
+      for (int s : ready_expensive) pool.push_front(s);
+    }
+  }
+  if (static_cast<int>(order->size()) != num_nodes) {
+    return absl::InternalError(absl::StrCat("executor order covers ", order->size(),
+                                            " of ", num_nodes, " nodes"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status TopologicalOrder(const tensorflow::GraphDef& graph,
                               const TensorTable& table, std::vector<int>* order) {
-  std::vector<const tensorflow::NodeDef*> topo;
-  absl::Status status = tensorflow::grappler::ComputeTopologicalOrder(graph, &topo);
-  if (!status.ok()) return status;
-  order->clear();
-  order->reserve(topo.size());
-  for (const tensorflow::NodeDef* node : topo) {
-    auto it = table.node_index.find(node->name());
-    if (it == table.node_index.end()) {
-      return absl::InternalError(absl::StrCat("order names unknown node ", node->name()));
-    }
-    order->push_back(it->second);
-  }
-  return absl::OkStatus();
+  return ExecutorOrder(table, order);
 }
 
 absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
@@ -33,9 +599,11 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
   const int num_devices = static_cast<int>(table.devices.size());
   std::vector<int> device_of_buffer(table.buffers.size(), 0);
   for (size_t b = 0; b < table.buffers.size(); ++b) {
-    auto it = std::lower_bound(table.devices.begin(), table.devices.end(),
-                               table.buffers[b].device);
-    device_of_buffer[b] = static_cast<int>(it - table.devices.begin());
+    device_of_buffer[b] = DeviceIndex(table.devices, table.buffers[b].device);
+  }
+  std::vector<int> device_of_node(table.nodes.size(), 0);
+  for (size_t n = 0; n < table.nodes.size(); ++n) {
+    device_of_node[n] = DeviceIndex(table.devices, table.nodes[n].device);
   }
   for (int d = 0; d < num_devices; ++d) {
     DeviceTimeline timeline;
@@ -44,7 +612,6 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     timeline.gradient_bytes.reserve(order.size());
     result->devices.push_back(std::move(timeline));
   }
-
   for (size_t b = 0; b < table.buffers.size(); ++b) {
     if (table.buffers[b].persistent) {
       result->devices[device_of_buffer[b]].persistent_bytes += table.buffers[b].bytes;
@@ -60,133 +627,37 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     }
     position[n] = static_cast<int>(step);
   }
-  auto forward_edge = [&](int tensor, int consumer) {
-    return position[table.tensors[tensor].node] < position[consumer];
-  };
 
-  // Runs the order up to and including step `last`; `on_step` sees the live set
-  // between allocation and release, `on_alloc`/`on_free` see each buffer.
-  std::vector<bool> live;
-  std::vector<int64_t> activation, gradient;
-  using BufferHook = std::function<void(int)>;
-  const BufferHook no_hook = [](int) {};
-  auto run = [&](size_t last, const std::function<void(size_t)>& on_step,
-                 const BufferHook& on_alloc, const BufferHook& on_free) {
-    // Remaining reads per buffer: every consumer edge of every tensor on it. A
-    // fetched tensor holds one extra read that is never released.
-    std::vector<int64_t> pending(table.buffers.size(), 0);
-    for (size_t t = 0; t < table.tensors.size(); ++t) {
-      for (int consumer : table.tensors[t].consumers) {
-        if (forward_edge(t, consumer)) ++pending[table.tensors[t].buffer];
-      }
-    }
-    for (int t : table.fetch_tensors) ++pending[table.tensors[t].buffer];
-    live.assign(table.buffers.size(), false);
-    activation.assign(num_devices, 0);
-    gradient.assign(num_devices, 0);
-    auto add = [&](int b, int64_t sign) {
-      const BufferInfo& buffer = table.buffers[b];
-      const int d = device_of_buffer[b];
-      if (table.tensors[buffer.owner].role == TensorRole::kGradient) {
-        gradient[d] += sign * buffer.bytes;
-      } else {
-        activation[d] += sign * buffer.bytes;
-      }
-    };
-    auto release = [&](int b) {
-      if (pending[b] == 0 && live[b]) {
-        live[b] = false;
-        add(b, -1);
-        on_free(b);
-      }
-    };
-    for (size_t step = 0; step <= last && step < order.size(); ++step) {
-      const NodeInfo& node = table.nodes[order[step]];
-      for (int t : node.outputs) {
-        const int b = table.tensors[t].buffer;
-        // Forwarded outputs were counted when their buffer's owner ran.
-        if (table.buffers[b].persistent || live[b] || table.buffers[b].owner != t) continue;
-        live[b] = true;
-        add(b, +1);
-        on_alloc(b);
-      }
-      on_step(step);
-      for (int t : node.inputs) {
-        if (!forward_edge(t, order[step])) continue;
-        const int b = table.tensors[t].buffer;
-        --pending[b];
-        release(b);
-      }
-      for (int t : node.outputs) release(table.tensors[t].buffer);
-    }
-  };
-
-  std::vector<int> device_of_node(table.nodes.size(), 0);
-  for (size_t n = 0; n < table.nodes.size(); ++n) {
-    auto it = std::lower_bound(table.devices.begin(), table.devices.end(),
-                               table.nodes[n].device);
-    device_of_node[n] = static_cast<int>(it - table.devices.begin());
-  }
-  run(order.size(), [&](size_t step) {
-    const NodeInfo& node = table.nodes[order[step]];
-    for (int d = 0; d < num_devices; ++d) {
-      DeviceTimeline& timeline = result->devices[d];
-      // A kernel's scratch memory counts while it runs, as part of its step.
-      const int64_t temp = device_of_node[order[step]] == d ? node.temp_bytes : 0;
-      std::vector<int64_t>& role = node.backward ? gradient : activation;
-      role[d] += temp;
-      const int64_t total = timeline.persistent_bytes + activation[d] + gradient[d];
-      if (total > timeline.peak_bytes || timeline.peak_step < 0) {
-        timeline.peak_bytes = total;
-        timeline.peak_step = static_cast<int>(step);
-      }
-      timeline.activation_bytes.push_back(activation[d]);
-      timeline.gradient_bytes.push_back(gradient[d]);
-      role[d] -= temp;
-    }
-  }, no_hook, no_hook);
+  Replay replay(table, order, position, device_of_buffer, num_devices);
+  TimelineListener timeline(table, order, device_of_node, &replay, result);
+  replay.Run(order.size(), &timeline);
   for (int d = 0; d < num_devices; ++d) {
-    DeviceTimeline& timeline = result->devices[d];
-    if (timeline.peak_step < 0) continue;
-    const size_t peak_step = static_cast<size_t>(timeline.peak_step);
-    run(peak_step, [&](size_t step) {
-      if (step != peak_step) return;
-      for (size_t b = 0; b < live.size(); ++b) {
-        if (live[b] && device_of_buffer[b] == d) timeline.live_at_peak.push_back(b);
-      }
-    }, no_hook, no_hook);
+    DeviceTimeline& device = result->devices[d];
+    if (device.peak_step < 0) continue;
+    PeakSetListener peak(table, device.peak_step, d, device_of_buffer, &replay, &device);
+    replay.Run(device.peak_step, &peak);
   }
 
-  // The allocator model: persistent buffers first, then a warm-up step (which
-  // shapes BFC's regions, as the first real step does), then the measured step.
+  // The allocator model: resident buffers first, then warm-up steps (which shape
+  // BFC's regions, as the first real steps do), then the measured steps.
+  const int warmup = std::max(options.warmup_steps, 0);
+  const int measured = std::max(options.measured_steps, 1);
   for (int d = 0; d < num_devices && d < static_cast<int>(options.bfc_memory_limit.size()); ++d) {
     if (options.bfc_memory_limit[d] <= 0) continue;
     BfcAllocatorModel allocator(options.bfc_memory_limit[d]);
-    for (size_t b = 0; b < table.buffers.size(); ++b) {
-      if (table.buffers[b].persistent && device_of_buffer[b] == d) {
-        allocator.Allocate(table.buffers[b].bytes);
-      }
+    AllocatorListener listener(table, order, device_of_node, device_of_buffer, d, &allocator);
+    listener.AllocateResident();
+    DeviceTimeline& device = result->devices[d];
+    for (int step = 0; step < warmup + measured; ++step) {
+      allocator.ResetPeak();
+      listener.set_log(step == warmup + measured - 1);
+      replay.Run(order.size(), &listener);
+      listener.EndStep();
+      if (step < warmup) continue;
+      device.allocator_step_peak_bytes.push_back(allocator.peak_bytes_in_use());
+      device.allocator_peak_bytes =
+          std::max(device.allocator_peak_bytes, allocator.peak_bytes_in_use());
     }
-    std::vector<int64_t> chunk(table.buffers.size(), -2);
-    const BufferHook on_alloc = [&](int b) {
-      if (device_of_buffer[b] == d) chunk[b] = allocator.Allocate(table.buffers[b].bytes);
-    };
-    const BufferHook on_free = [&](int b) {
-      allocator.Free(chunk[b]);
-      chunk[b] = -2;
-    };
-    const auto on_step = [&](size_t step) {
-      const int n = order[step];
-      if (device_of_node[n] == d && table.nodes[n].temp_bytes > 0) {
-        allocator.Free(allocator.Allocate(table.nodes[n].temp_bytes));
-      }
-    };
-    for (int pass = 0; pass < 2; ++pass) {
-      if (pass == 1) allocator.ResetPeak();
-      run(order.size(), on_step, on_alloc, on_free);
-      for (size_t b = 0; b < chunk.size(); ++b) on_free(static_cast<int>(b));  // step outputs
-    }
-    result->devices[d].allocator_peak_bytes = allocator.peak_bytes_in_use();
   }
   for (DeviceTimeline& timeline : result->devices) {
     std::sort(timeline.live_at_peak.begin(), timeline.live_at_peak.end(),

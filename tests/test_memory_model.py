@@ -1,0 +1,135 @@
+"""The memory model's rules, each pinned on a graph small enough to count by hand.
+
+Every rule here was measured on TF 2.21 with benchmarks/trace_step_memory.py (the
+BFC allocator's own trace of a training step): the model must predict what TF
+allocates, not what the graph suggests.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmemopt
+from conftest import run_python
+
+MIB = 2**20
+N = MIB  # floats: 4 MiB per tensor
+
+
+def tensors(count):
+    """`count` tensors of 4 MiB, give or take a few scalars."""
+    return pytest.approx(count * 4 * MIB, abs=4096)
+
+
+def live_peak(fn, *args):
+    report = tfmemopt.analyze(fn, *args, log_level=0)
+    assert report.status == "ok" and report.unresolved_tensors == 0
+    device = report.to_dict()["devices"][0]
+    return device["live_peak_bytes"] - device["persistent_bytes"], report
+
+
+def test_elementwise_op_takes_over_its_input_when_it_is_the_last_reader():
+    # TF's element-wise kernels call forward_input_or_allocate_output: an input
+    # with no other reader left becomes the output. x is the caller's, so the first
+    # Mul allocates; the AddV2 and the second Mul reuse that buffer.
+    @tf.function
+    def chain(x):
+        return ((x * 2.0) + 1.0) * 3.0
+
+    transient, _ = live_peak(chain, tf.zeros([N]))
+    assert transient == tensors(2)  # x and one buffer; three without reuse
+
+
+def test_elementwise_op_allocates_while_its_input_has_other_readers():
+    @tf.function
+    def branch(x):
+        a = x * 2.0
+        b = a + 1.0  # a is still read by the Mul below: b needs a buffer
+        return a * b  # the last reader of a and b takes over one of them
+
+    transient, _ = live_peak(branch, tf.zeros([N]))
+    assert transient == tensors(3)
+
+
+def test_callers_inputs_stay_live_for_the_whole_step():
+    # x is read once, at the start, but the caller holds it: it is never freed and
+    # never reused in place.
+    @tf.function
+    def reduce_then_grow(x):
+        s = tf.reduce_sum(x * 2.0)
+        return tf.fill([N], s) + 1.0
+
+    transient, report = live_peak(reduce_then_grow, tf.zeros([N]))
+    timeline = report.to_dict()["timeline"][0]["activation_bytes"]
+    assert min(timeline) >= 4 * MIB  # x, from the first step to the last
+    assert transient == tensors(2)  # x with x * 2.0, then x with the fill
+
+
+def test_variable_update_copies_the_variable_while_a_read_of_it_is_live():
+    # AssignAddVariableOp (like the training ops) updates in place only if nothing
+    # else holds the variable's buffer; the read r is still to be consumed by the
+    # Mul, which the executor runs after the update, so TF copies the variable.
+    v = tf.Variable(tf.zeros([N]))
+
+    @tf.function
+    def read_update_use(x):
+        r = v.read_value()
+        v.assign_add(x)
+        return r * 2.0
+
+    transient, report = live_peak(read_update_use, tf.zeros([N]))
+    assert report.persistent_bytes["CPU:0"] == pytest.approx(4 * MIB, abs=64)  # v and a constant
+    # x, the copy of v, and the product (which cannot reuse r: r is v's old buffer).
+    assert transient == tensors(3)
+
+
+def test_no_copy_when_the_update_comes_after_the_last_read():
+    v = tf.Variable(tf.zeros([N]))
+
+    @tf.function
+    def use_then_update(x):
+        s = tf.reduce_sum(v.read_value() * 2.0)
+        with tf.control_dependencies([s]):
+            v.assign_add(x)
+        return s
+
+    transient, _ = live_peak(use_then_update, tf.zeros([N]))
+    assert transient == tensors(2)  # x and the product, no copy
+
+
+_POOL_CODE = r'''
+import json, tensorflow as tf, tfmemopt
+x = tf.zeros([8, 64, 64, 32])  # 4 MiB; pooled 1 MiB
+
+@tf.function
+def pool_grad(x):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.nn.max_pool2d(x, 2, 2, "VALID")
+        loss = tf.reduce_sum(y * y)
+    return tape.gradient(loss, x)
+
+report = tfmemopt.analyze(pool_grad, x, log_level=0)
+print("RESULT " + json.dumps(report.to_dict()["devices"][0]))
+'''
+
+
+@pytest.mark.parametrize("onednn", ["1", "0"])
+def test_max_pool_kernel_memory_depends_on_onednn(onednn):
+    # With oneDNN (TF's default here), MaxPool has a second output, a workspace
+    # of one byte per pooled element, live until MaxPoolGrad reads it. Without
+    # it, Eigen's MaxPoolGrad allocates 3x the pooled size as scratch (a copy of
+    # the pooled output and an int64 argmax) while it runs.
+    proc = run_python(_POOL_CODE, env={"TF_ENABLE_ONEDNN_OPTS": onednn})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    device = json.loads(line[len("RESULT "):])
+    pooled = 8 * 32 * 32 * 32 * 4  # 1 MiB
+    # At MaxPoolGrad: x and its gradient (4 MiB each), the pooled output and its
+    # gradient (1 MiB each), listed; the kernel memory is not a graph tensor.
+    listed = sum(t["bytes"] for t in device["top_tensors_at_peak"])
+    assert listed == pytest.approx(10 * MIB, abs=4096)
+    kernel = pooled // 4 if onednn == "1" else 3 * pooled
+    assert device["live_peak_bytes"] == pytest.approx(listed + kernel, abs=4096)
