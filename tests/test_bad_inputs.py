@@ -101,6 +101,7 @@ def cli_files(directory):
     with graph.as_default():
         tf.identity(tf.constant(1.0, name="x"), name="node")
     (directory / "graph.pb").write_bytes(graph.as_graph_def().SerializeToString())
+    (directory / "step.py").write_text("def make_step(size):\n    return lambda: None\n")
 
 
 NO_MATPLOTLIB = "[no matplotlib] "
