@@ -823,6 +823,24 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
                               : from_sqrt.excess < best.excess;
       if (better) best = std::move(from_sqrt);
     }
+    if (status.ok() && best.excess > 0 &&
+        (!best.choice.recompute.empty() || !best.choice.swap.empty())) {
+      // Out of reach: the best plan is applied only if it lowers some device's
+      // peak; added compute or copies for the same peak help nobody.
+      Evaluated none;
+      status = planner.EvaluateWithAllocator(fixed, &none);
+      if (!status.ok()) return status;
+      bool lowers = false;
+      for (size_t d = 0; d < none.simulation.devices.size(); ++d) {
+        lowers = lowers || PredictedPeak(best.simulation.devices[d]) <
+                               PredictedPeak(none.simulation.devices[d]);
+      }
+      if (!lowers) {
+        plan->note = "no plan lowers the predicted peak (it is set by what cannot be "
+                     "recomputed or swapped); the graph is kept as it is";
+        best = std::move(none);
+      }
+    }
   } else {
     status = planner.EvaluateWithAllocator(std::move(fixed), &best);
   }
