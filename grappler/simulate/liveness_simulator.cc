@@ -542,6 +542,9 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
     int64_t key = 2 * static_cast<int64_t>(num_nodes) + n;
     if (def.op() == "_Arg" && def.attr().count("index")) {
       key = def.attr().at("index").i();
+    } else if (def.attr().count("_tfmemopt_arg_index")) {
+      // A function's input in tfmemopt.analyze()'s graph (analysis.metagraph_of).
+      key = def.attr().at("_tfmemopt_arg_index").i();
     } else if (def.op() == "Placeholder") {
       key = num_nodes + n;
     }

@@ -94,6 +94,12 @@ def metagraph_of(concrete):
         node = nodes[placeholder.op.name]
         if node.op == "Placeholder" and placeholder.shape.rank is not None:
             node.attr["shape"].CopyFrom(_shape_attr(placeholder.shape.as_list()))
+    # At run time the function's inputs are _Arg nodes, which the executor creates
+    # first, in argument order (captured variables after the arguments); the pass's
+    # executor order reads that position from this attribute on their stand-ins
+    # here, so analyze() orders the step as training does.
+    for index, placeholder in enumerate(graph.inputs):
+        nodes[placeholder.op.name].attr["_tfmemopt_arg_index"].i = index
     metagraph = meta_graph_pb2.MetaGraphDef()
     metagraph.graph_def.CopyFrom(graph_def)
     fetch = metagraph.collection_def["train_op"].node_list.value
