@@ -160,17 +160,22 @@ def test_manual_by_scope_and_by_tf_recompute_hint():
 def test_manual_hints_that_would_raise_the_peak_are_not_applied_and_the_report_says_why():
     rng = np.random.default_rng(0)
     w = tf.Variable(rng.standard_normal((WIDTH, WIDTH), dtype=np.float32))
+    v = tf.Variable(rng.standard_normal((WIDTH, WIDTH), dtype=np.float32))
 
     @tf.function
     def step(x):
-        # Recomputing the last layer keeps its input and its clone's matmul output
-        # alive together in the backward pass: a higher peak than keeping it.
+        # The cast's float32 input is dead once the cast has run (no gradient reads
+        # it), while its float16 output lives on to the backward pass. Recomputing
+        # the cast keeps the input alive there instead, twice the bytes, and the
+        # clone's output next to it: a higher peak than keeping the output.
         with tf.GradientTape() as tape:
-            h = tf.nn.relu(tf.matmul(x, w))
+            m = tf.matmul(x, w)
             with tfmemopt.recompute_scope():
-                h = tf.nn.relu(tf.matmul(h, w, name="last_matmul"), name="last_relu")
-            loss = tf.reduce_mean(tf.matmul(h, w))
-        w.assign_sub(tape.gradient(loss, w))
+                e = tf.cast(m, tf.float16, name="last_cast")
+            h = tf.nn.relu(tf.matmul(tf.cast(e * e, tf.float32), v))
+            loss = tf.reduce_mean(h)
+        for variable, g in zip([w, v], tape.gradient(loss, [w, v])):
+            variable.assign_sub(g)
         return loss
 
     x = tf.constant(np.random.default_rng(1).standard_normal((BATCH, WIDTH), dtype=np.float32))
