@@ -279,6 +279,9 @@ class Planner {
   // `recompute`. Groups the budget turns out not to need are dropped at the end.
   absl::Status Descend(const Choice& fixed, std::vector<Group> groups, bool recompute,
                        Evaluated* best);
+  // Makes Descend take only choices that lower the peak (not those that lower
+  // just the live bytes above the budget at other steps).
+  void set_peak_only(bool peak_only) { peak_only_ = peak_only; }
 
   // The allocator model costs as much as the rest of a simulation, so the search
   // runs on live bytes first and turns it on once those fit (or cannot).
@@ -346,6 +349,7 @@ class Planner {
   std::vector<bool> pinned_;  // per buffer: an input of an AddN of 3+ inputs
   std::vector<std::vector<int>> tensors_of_buffer_;
   bool allocator_ = false;
+  bool peak_only_ = false;
   // The base table, with the choice being evaluated applied in place.
   TensorTable work_;
   RecomputeRewrite applied_recompute_;
@@ -500,9 +504,9 @@ absl::Status Planner::Descend(const Choice& fixed, std::vector<Group> groups, bo
   absl::Status status = Evaluate(combined(nullptr), &state);
   if (!status.ok()) return status;
   std::vector<Candidate> candidates;
-  auto improves = [](const Evaluated& next, const Evaluated& now) {
+  auto improves = [this](const Evaluated& next, const Evaluated& now) {
     return next.excess < now.excess ||
-           (next.excess == now.excess && next.overshoot < now.overshoot);
+           (!peak_only_ && next.excess == now.excess && next.overshoot < now.overshoot);
   };
   auto with = [](const Choice& base, const Candidate& c) {
     Choice next = base;
@@ -830,12 +834,27 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
       Evaluated none;
       status = planner.EvaluateWithAllocator(fixed, &none);
       if (!status.ok()) return status;
-      bool lowers = false;
-      for (size_t d = 0; d < none.simulation.devices.size(); ++d) {
-        lowers = lowers || PredictedPeak(best.simulation.devices[d]) <
+      auto lowers = [&none](const Evaluated& plan) {
+        bool lower = false;
+        for (size_t d = 0; d < none.simulation.devices.size(); ++d) {
+          lower = lower || PredictedPeak(plan.simulation.devices[d]) <
                                PredictedPeak(none.simulation.devices[d]);
+        }
+        return lower;
+      };
+      if (!lowers(best)) {
+        // The descent follows the live bytes above the budget over all steps, and
+        // can settle on cheap choices that lower those but not the peak (a clone
+        // made at the peak's own step), which then block the ones that lower it.
+        // Descend once more taking only choices that lower the peak.
+        planner.set_peak_only(true);
+        Evaluated lower;
+        status = planner.Descend(fixed, {}, auto_recompute, &lower);
+        planner.set_peak_only(false);
+        if (!status.ok()) return status;
+        if (lowers(lower)) best = std::move(lower);
       }
-      if (!lowers) {
+      if (!lowers(best)) {
         plan->note = "no plan lowers the predicted peak (it is set by what cannot be "
                      "recomputed or swapped); the graph is kept as it is";
         best = std::move(none);
