@@ -275,6 +275,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->recompute.simulations = plan.simulations;
     report->recompute.left_alone = plan.left_alone;
     report->recompute.hinted_but_not_recomputable = plan.hinted_but_not_recomputable;
+    report->recompute.note = plan.note;
     for (int n : plan.checkpoints) report->recompute.checkpoints.push_back(table.nodes[n].def->name());
     for (size_t d = 0; d < devices.size() && d < plan.peak_bytes.size(); ++d) {
       devices[d].planned_peak_bytes = plan.peak_bytes[d];
@@ -383,6 +384,11 @@ absl::Status InfeasibleError(const MemoryOptimizerOptions& options,
 
 absl::Status TfMemOptOptimizer::Init(
     const tensorflow::RewriterConfig_CustomGraphOptimizer* config) {
+  // config_proto_ is what the meta-optimizer runs with (InitWithConfig sets it).
+  iterations_ = config_proto_.graph_options().rewrite_options().meta_optimizer_iterations() ==
+                        tensorflow::RewriterConfig::ONE
+                    ? 1
+                    : 2;
   return ParseMemoryOptimizerOptions(config, &options_);
 }
 
@@ -392,11 +398,12 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
   *optimized_graph = item.graph;
   // The meta-optimizer's next iteration over a graph we rewrote: our nodes are in
   // it, the report of the rewrite stands, and nothing is added twice.
-  auto previous = published_.find(item.id);
-  if (previous != published_.end() && previous->second.rewrote &&
-      HasTfMemOptNodes(item.graph)) {
-    return absl::OkStatus();
+  Published& seen = published_[item.id];
+  ++seen.calls;
+  if (seen.calls < iterations_ && options_.mode != Mode::kAnalyzeOnly) {
+    return absl::OkStatus();  // the rewrite waits for the last iteration
   }
+  if (seen.rewrote && HasTfMemOptNodes(item.graph)) return absl::OkStatus();
   MemoryReport report;
   report.graph_id = item.id;
   report.options = options_;
@@ -420,7 +427,7 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
   report.total_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  Published& published = published_[item.id];
+  Published& published = seen;
   const std::string summary = report.Summary();
   if (summary != published.summary) {
     const bool infeasible = (report.recompute.planned || report.swap.planned) &&
@@ -459,7 +466,10 @@ absl::Status RunTfMemOptOnMetaGraph(const tensorflow::MetaGraphDef& metagraph,
         "the MetaGraphDef is not a valid graph with a train_op collection");
   }
   TfMemOptOptimizer optimizer;
-  absl::Status status = optimizer.Init(&entry);
+  tensorflow::ConfigProto one_iteration;
+  one_iteration.mutable_graph_options()->mutable_rewrite_options()->set_meta_optimizer_iterations(
+      tensorflow::RewriterConfig::ONE);
+  absl::Status status = optimizer.InitWithConfig(one_iteration, &entry);
   if (!status.ok()) return status;
   if (table_json != nullptr) {
     TensorTable table;

@@ -8,9 +8,12 @@
 // Guarantees:
 //  * Nothing lost: if any stage fails, the original graph is returned and one
 //    WARNING line names the stage and the reason. TF never fails because of us.
-//  * Idempotent: the meta-optimizer runs custom optimizers in every iteration; a
-//    second run over our own output changes nothing and replaces (not duplicates)
-//    the graph's report.
+//  * Last: the meta-optimizer runs custom optimizers in each of its iterations.
+//    The pass rewrites only in the last one, so that no TF pass runs after it and
+//    changes what it added (constant folding, the remapper's fusions and the
+//    arithmetic optimizer's reorderings would change a clone's numerics). Earlier
+//    iterations return the graph as it is.
+//  * Idempotent: a graph that already holds our nodes is not rewritten again.
 #ifndef TFMEMOPT_GRAPPLER_TFMEMOPT_OPTIMIZER_H_
 #define TFMEMOPT_GRAPPLER_TFMEMOPT_OPTIMIZER_H_
 
@@ -51,7 +54,10 @@ class TfMemOptOptimizer : public tensorflow::grappler::CustomGraphOptimizer {
     int64_t token = 0;
     std::string summary;
     bool rewrote = false;  // this instance rewrote the graph (its nodes are ours)
+    int calls = 0;         // meta-optimizer iterations seen
   };
+  // Meta-optimizer iterations (RewriterConfig.meta_optimizer_iterations).
+  int iterations_ = 2;
   absl::flat_hash_map<std::string, Published> published_;
 };
 

@@ -15,7 +15,7 @@ def test_no_arguments_prints_help():
 def test_demo_help():
     result = tfmemopt_cli("demo", "--help")
     assert result.returncode == 0
-    assert "--cap-mb" in result.stdout and "--batch" in result.stdout
+    assert "--cap-mb" in result.stdout and "--batch" in result.stdout and "--blocks" in result.stdout
 
 
 def test_bad_usage_exits_2_with_a_message():
@@ -27,18 +27,18 @@ def test_bad_usage_exits_2_with_a_message():
     assert "invalid choice: 'nonsense'" in result.stderr
 
 
-def test_demo_trains_with_and_without_the_pass_and_reports():
-    result = tfmemopt_cli("demo", "--batch", "64", "--cap-mb", "512", "--steps", "2", "--json")
+def test_demo_runs_out_of_memory_without_the_pass_and_trains_bitwise_equal_with_it():
+    result = tfmemopt_cli("demo", "--blocks", "4", "--batch", "64", "--cap-mb", "40", "--json")
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     data = json.loads(result.stdout.strip().splitlines()[-1])
-    without, with_opt = data["without"], data["with"]
-    assert without["ok"] and with_opt["ok"]
-    assert without["losses"] == with_opt["losses"]
-    report = with_opt["report"]
-    assert report["status"] == "ok"
-    device = report["devices"][0]
-    assert device["memory_source"] == "TF_CPU_BFC_MEM_LIMIT_IN_MB"
-    assert device["memory_bytes"] == 512 * 2**20
-    assert device["budget_bytes"] == int(0.9 * 512 * 2**20)
-    assert with_opt["measured_peak_bytes"] > 0
-    assert "predicted peak" in result.stdout and "bitwise equal" in result.stdout
+    without, mine, reference = data["without"], data["with"], data["reference"]
+    assert without["status"] == "oom"
+    assert mine["status"] == "ok" and reference["status"] == "ok"
+    assert len(mine["outputs"]) == 3 and mine["outputs"] == reference["outputs"]
+    # The uncapped reference run's peak moves with the executor's parallel order (it has
+    # landed on exactly 40 MiB), so the OOM above is the proof that the cap is too small.
+    assert mine["peak_bytes"] <= 40 * 2**20
+    report = mine["report"]
+    assert report["graph_changed"]
+    assert report["predicted_peak_after_bytes"]["CPU:0"] <= int(0.9 * 40 * 2**20)
+    assert "ran out of memory" in result.stdout and "bitwise equal" in result.stdout

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/grappler/op_types.h"
+#include "grappler/simulate/execution_order.h"
 #include "tensorflow/core/platform/logging.h"
 
 namespace tfmemopt {
@@ -150,6 +151,7 @@ struct Choice {
 // working table in place and takes them back, so a state keeps no table.)
 struct Evaluated {
   Choice choice;
+  std::vector<int> order;    // the simulated order of the applied choice
   std::vector<int> cloned;   // nodes that got a clone
   std::vector<int> swapped;  // tensors that are swapped
   SimulationResult simulation;
@@ -165,20 +167,54 @@ class Planner {
           const MemoryPlannerOptions& options, MemoryPlan* plan)
       : table_(table), work_(table), order_(order), flow_(flow), options_(options), plan_(plan) {
     const int n = static_cast<int>(table.nodes.size());
+    tensors_of_buffer_.resize(table.buffers.size());
+    for (size_t t = 0; t < table.tensors.size(); ++t) {
+      tensors_of_buffer_[table.tensors[t].buffer].push_back(static_cast<int>(t));
+    }
+    // TF's AddN sums into the first input buffer it may reuse (one whose last reader
+    // it is) and moves that input to the front: with three or more inputs, which
+    // buffers are reusable decides the order of the sum, and so its last bits. A
+    // plan must not change that: an AddN's input is never recomputed or swapped
+    // (its late readers would move to the copy), and no clone keeps one alive that
+    // had no reader after the AddN.
+    pinned_.assign(table.buffers.size(), false);
+    for (const NodeInfo& node : table.nodes) {
+      if (node.def->op() != "AddN" || node.inputs.size() < 3) continue;
+      for (int t : node.inputs) pinned_[table.tensors[t].buffer] = true;
+    }
     recomputable_.assign(n, false);
     for (int i = 0; i < n; ++i) {
       if (table.nodes[i].backward) continue;
-      const std::string reason = NotRecomputableReason(table, flow, options, i);
+      std::string reason = NotRecomputableReason(table, flow, options, i);
+      if (reason.empty() && FeedsAddN(i)) reason = "feeds_addn";
       if (reason.empty()) {
         recomputable_[i] = true;
       } else if (reason != "input_or_structural") {
         ++plan->left_alone[reason];
       }
     }
-    tensors_of_buffer_.resize(table.buffers.size());
-    for (size_t t = 0; t < table.tensors.size(); ++t) {
-      tensors_of_buffer_[table.tensors[t].buffer].push_back(static_cast<int>(t));
+  }
+
+  bool FeedsAddN(int node) const {
+    for (int t : table_.nodes[node].outputs) {
+      if (pinned_[table_.tensors[t].buffer]) return true;
     }
+    return false;
+  }
+
+  // Whether a clone of `node` reading its original inputs would keep an AddN input
+  // alive past the AddN, which today frees (or reuses) it.
+  bool ReadsAddNInputEarly(int node) const {
+    for (int u : table_.nodes[node].inputs) {
+      const int b = table_.tensors[u].buffer;
+      if (!pinned_[b]) continue;
+      bool late = false;
+      for (int t : tensors_of_buffer_[b]) {
+        for (int c : table_.tensors[t].consumers) late = late || ReadsRecomputedValues(table_, flow_, c);
+      }
+      if (!late) return true;
+    }
+    return false;
   }
 
   // Applies `choice` to the working table; Unapply() takes it back.
@@ -206,8 +242,15 @@ class Planner {
       Unapply();
       return status;
     }
+    // Simulated in the order Grappler will sort the rewritten graph in (the verify
+    // stage's), not the order the rewrite was built around.
+    status = GrapplerTopologicalOrder(work_, &out->order);
+    if (!status.ok()) {
+      Unapply();
+      return status;
+    }
     const auto built = std::chrono::steady_clock::now();
-    status = Simulate(work_, applied_swap_.order,
+    status = Simulate(work_, out->order,
                       allocator_ ? options_.simulation : SimulationOptions(), &out->simulation);
     Unapply();
     if (!status.ok()) return status;
@@ -300,6 +343,7 @@ class Planner {
   const MemoryPlannerOptions& options_;
   MemoryPlan* plan_;
   std::vector<bool> recomputable_;
+  std::vector<bool> pinned_;  // per buffer: an input of an AddN of 3+ inputs
   std::vector<std::vector<int>> tensors_of_buffer_;
   bool allocator_ = false;
   // The base table, with the choice being evaluated applied in place.
@@ -326,9 +370,7 @@ absl::Status Planner::Candidates(const Evaluated& state, bool recompute,
   }
   const TensorTable& now = work_;
   std::vector<int> position(now.nodes.size(), -1);
-  for (size_t s = 0; s < applied_swap_.order.size(); ++s) {
-    position[applied_swap_.order[s]] = static_cast<int>(s);
-  }
+  for (size_t s = 0; s < state.order.size(); ++s) position[state.order[s]] = static_cast<int>(s);
   std::vector<bool> live(now.buffers.size(), false);
   for (int b : timeline.live_at_peak) live[b] = true;
   std::vector<bool> chosen(table_.nodes.size(), false);
@@ -382,6 +424,7 @@ absl::Status Planner::Candidates(const Evaluated& state, bool recompute,
     if (can_swap) {
       bool ok = true;
       for (int t : late_tensors) ok = ok && Swappable(table_, flow_, options_, t);
+      ok = ok && !pinned_[b];
       if (ok) {
         Candidate swap;
         swap.kind = Kind::kSwap;
@@ -419,6 +462,8 @@ absl::Status Planner::Candidates(const Evaluated& state, bool recompute,
             work.size() < 64) {
           in_closure[p] = true;
           work.push_back(p);
+        } else if (pinned_[ub]) {
+          candidate.gain = 0;  // would keep an AddN input alive: not a candidate
         } else if (kept_alive.insert(ub).second) {
           candidate.gain -= table_.buffers[ub].bytes;
         }
@@ -662,7 +707,7 @@ absl::Status Planner::SqrtChoice(std::vector<Group>* segments) {
       segments->push_back(std::move(segment));
       segment = Group{Kind::kRecompute, {}, 0};
     }
-    if (!recomputable_[node] || checkpoint[node]) continue;
+    if (!recomputable_[node] || checkpoint[node] || ReadsAddNInputEarly(node)) continue;
     bool big = false;
     for (int t : table_.nodes[node].outputs) {
       big = big || table_.tensors[t].bytes >= options_.min_tensor_bytes;
@@ -686,8 +731,9 @@ absl::Status Planner::ManualChoice(Choice* choice) {
       plan_->hinted_but_not_recomputable.push_back(absl::StrCat(def.name(), " (backward)"));
       continue;
     }
-    const std::string reason =
-        NotRecomputableReason(table_, flow_, options_, static_cast<int>(i));
+    std::string reason = NotRecomputableReason(table_, flow_, options_, static_cast<int>(i));
+    if (reason.empty() && FeedsAddN(static_cast<int>(i))) reason = "feeds_addn";
+    if (reason.empty() && ReadsAddNInputEarly(static_cast<int>(i))) reason = "reads_addn_input";
     if (!reason.empty()) {
       plan_->hinted_but_not_recomputable.push_back(absl::StrCat(def.name(), " (", reason, ")"));
       continue;
@@ -734,6 +780,27 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
     status = planner.ManualChoice(&fixed);
   }
   if (!status.ok()) return status;
+  if (!fixed.recompute.empty()) {
+    // SQRT and MANUAL recompute what they are told; never at a higher peak than no
+    // plan at all (then the graph's own schedule is better, and is kept).
+    Evaluated none, told;
+    status = planner.EvaluateWithAllocator(Choice(), &none);
+    if (status.ok()) status = planner.EvaluateWithAllocator(fixed, &told);
+    if (!status.ok()) return status;
+    for (size_t d = 0; d < none.simulation.devices.size(); ++d) {
+      const int64_t before = PredictedPeak(none.simulation.devices[d]);
+      const int64_t after = PredictedPeak(told.simulation.devices[d]);
+      if (after > before) {
+        plan->note = absl::StrCat(RecomputePolicyName(options.policy), " plan not applied: it ",
+                                  "would raise the predicted peak on ",
+                                  none.simulation.devices[d].device, " from ", before,
+                                  " to ", after, " bytes");
+        fixed.recompute.clear();
+        plan->checkpoints.clear();
+        break;
+      }
+    }
+  }
   Evaluated best;
   const bool auto_recompute = options.enable_recompute && options.policy == RecomputePolicy::kAuto;
   if (auto_recompute || options.enable_swap) {

@@ -83,6 +83,7 @@ struct MemoryPlan {
   // Forward nodes never recomputed, by reason ("stateful", "control_flow", ...).
   std::map<std::string, int> left_alone;
   std::vector<std::string> hinted_but_not_recomputable;  // MANUAL: names, with reason
+  std::string note;  // why a SQRT or MANUAL plan was not applied, if it was not
 };
 
 // A plan applied: recomputation first, swapping on top of it (the swap rewrite

@@ -134,6 +134,7 @@ std::string MemoryReport::ToJson() const {
     first_reason = false;
   }
   out << "},\"hinted_but_not_recomputable\":" << QuotedList(recompute.hinted_but_not_recomputable)
+      << ",\"note\":" << Quote(recompute.note)
       << "},\"swap\":{\"planned\":" << (swap.planned ? "true" : "false")
       << ",\"feasible\":" << (swap.feasible ? "true" : "false")
       << ",\"tensors\":" << QuotedList(swap.tensors) << ",\"num_swap_out\":" << swap.num_swap_out

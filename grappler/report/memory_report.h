@@ -61,6 +61,7 @@ struct RecomputeReport {
   std::vector<std::string> checkpoints;  // SQRT
   std::map<std::string, int> left_alone;  // forward ops never recomputed, by reason
   std::vector<std::string> hinted_but_not_recomputable;
+  std::string note;  // e.g. why a SQRT or MANUAL plan was not applied
 };
 
 // What swapping did to a graph.

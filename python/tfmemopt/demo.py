@@ -9,30 +9,6 @@ import os
 import subprocess
 import sys
 
-_TRIAL = r'''
-import json, sys
-import numpy as np
-import tensorflow as tf
-import tfmemopt
-from tfmemopt.demo import seed_cnn_train_step
-
-batch, steps, use = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-if use:
-    tfmemopt.enable(assume_batch_size=batch, log_level=0)
-step, x, y = seed_cnn_train_step(batch)
-result = {"batch": batch, "ok": True}
-try:
-    losses = [float(step(x, y)) for _ in range(steps)]
-    result["losses"] = losses
-except tf.errors.ResourceExhaustedError as err:
-    result.update(ok=False, error=str(err).splitlines()[0][:200])
-result["measured_peak_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-reports = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train_step")]
-if reports:
-    result["report"] = reports[-1].to_dict()
-    result["report_text"] = reports[-1].to_text()
-print("TFMEMOPT_TRIAL " + json.dumps(result))
-'''
 
 
 def keras_train_step(model, loss_fn):
@@ -75,21 +51,49 @@ def seed_cnn_train_step(batch, seed=0):
     return keras_train_step(model, loss_fn), x, y
 
 
-def run_trial(batch, cap_mb, use_tfmemopt, steps=2, timeout=600):
-    """Trains `steps` steps of the seed CNN under a `cap_mb` MiB allocator cap in a
-    fresh interpreter; returns the trial's JSON result."""
-    env = dict(os.environ)
-    env.update(
-        TF_CPU_ALLOCATOR_USE_BFC="true",
-        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(cap_mb),
-        TF_CPP_MIN_LOG_LEVEL=env.get("TF_CPP_MIN_LOG_LEVEL", "1"),
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", _TRIAL, str(batch), str(steps), "1" if use_tfmemopt else "0"],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("TFMEMOPT_TRIAL "):
-            return json.loads(line[len("TFMEMOPT_TRIAL "):])
-    return {"batch": batch, "ok": False,
-            "error": f"trial exited with code {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+def cifar_resnet_train_step(batch, blocks=20, width=16, seed=0, batch_norm=True):
+    """A CIFAR-shaped ResNet (conv stem, `blocks` residual blocks of conv-BN-ReLU x2
+    with an identity skip, global pooling, dense 10; Adam) and a synthetic batch of
+    32x32x3 images. batch_norm=False leaves out the BatchNormalization layers.
+    Returns (train_step, (x, y))."""
+    import numpy as np
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(seed)
+    layers = tf.keras.layers
+    inputs = tf.keras.Input((32, 32, 3))
+    norm = layers.BatchNormalization if batch_norm else (lambda: (lambda t: t))
+    h = layers.Conv2D(width, 3, padding="same", use_bias=not batch_norm)(inputs)
+    h = layers.ReLU()(norm()(h))
+    for _ in range(blocks):
+        r = layers.Conv2D(width, 3, padding="same", use_bias=not batch_norm)(h)
+        r = layers.ReLU()(norm()(r))
+        r = layers.Conv2D(width, 3, padding="same", use_bias=not batch_norm)(r)
+        r = norm()(r)
+        h = layers.ReLU()(layers.Add()([h, r]))
+    h = layers.GlobalAveragePooling2D()(h)
+    model = tf.keras.Model(inputs, layers.Dense(10)(h))
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.random((batch, 32, 32, 3), dtype=np.float32))
+    y = tf.constant(rng.integers(0, 10, size=(batch,), dtype=np.int32))
+    return keras_train_step(model, loss), (x, y)
+
+
+def run_demo(blocks=20, batch=128, cap_mb=256, steps=3, timeout=900):
+    """The demo: the ResNet (without BatchNormalization, whose training TF runs with
+    run-to-run differences of its own) under a `cap_mb` MiB allocator cap without
+    tfmemopt (it runs out of memory), with it (it trains), and without either (the
+    reference losses). One interpreter per run. Returns {"without", "with",
+    "reference"} Trials."""
+    from tfmemopt.maxbatch import run_trial as trial
+
+    kwargs = {"blocks": blocks, "batch_norm": False}
+    runs = {
+        "without": dict(cap_mb=cap_mb, use_tfmemopt=False),
+        "with": dict(cap_mb=cap_mb, use_tfmemopt=True, log_level=0),
+        "reference": dict(cap_mb=None, use_tfmemopt=False),
+    }
+    return {name: trial(cifar_resnet_train_step, batch, steps=steps, timeout=timeout,
+                        step_kwargs=kwargs, **options)
+            for name, options in runs.items()}

@@ -81,6 +81,8 @@ class Trial:
     peak_bytes: int = None
     step_seconds: float = None
     step_times: list = dataclasses.field(default_factory=list)
+    # Each step's outputs, when they are scalars (e.g. the loss), as floats.
+    outputs: list = dataclasses.field(default_factory=list)
     error: str = ""
     report: dict = None
     graphs: list = None
@@ -834,15 +836,18 @@ def _load_make_step(ref):
     return target
 
 
-def _run_steps(step, args, count, times):
+def _run_steps(step, args, count, times, outputs=None):
     import tensorflow as tf
 
     for _ in range(count):
         begin = time.perf_counter()
         out = step(*args)
         # Wait for the values, not just the dispatch.
-        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+        values = tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
         times.append(time.perf_counter() - begin)
+        flat = tf.nest.flatten(values)
+        if outputs is not None and all(getattr(v, "shape", None) == () for v in flat):
+            outputs.append([float(v) for v in flat])
 
 
 def _failure(err):
@@ -865,7 +870,7 @@ def _child_main():
     spec = json.loads(sys.argv[1])
     config = spec["config"]
     result = {"status": "ok"}
-    times = []
+    times, outputs = [], []
     step = args = None
     try:
         if config["memory_optimization"] is not None or config["fields"] is not None:
@@ -889,10 +894,11 @@ def _child_main():
             raise TypeError(f"make_step({spec['size']}) returned {type(made).__name__}; "
                             f"allowed: a tuple (step, args) with step(*args) one training step")
         step, args = made
-        _run_steps(step, args, spec["steps"], times)
+        _run_steps(step, args, spec["steps"], times, outputs)
     except Exception as err:  # every failure is reported; only OOM counts as "too big"
         result["status"], result["error"] = _failure(err)
     result["step_times"] = times
+    result["outputs"] = outputs
     result["step_seconds"] = statistics.median(times[1:]) if len(times) > 1 else None
     result.update(_peak_and_reports(config))
     print(_RESULT_MARK + json.dumps(result), flush=True)

@@ -111,13 +111,20 @@ class Report:
 
     @property
     def recomputed_ops(self):
-        """Names of the ops that are recomputed in the backward pass."""
-        return list(self.recompute.get("nodes", []))
+        """Names of the ops recomputed in the graph the pass returned.
+
+        Empty after a fallback, which returns the original graph; what was planned
+        stays in ``recompute["nodes"]``.
+        """
+        return list(self.recompute.get("nodes", [])) if self.graph_changed else []
 
     @property
     def swapped_tensors(self):
-        """Names of the tensors that are swapped to host memory and back."""
-        return list(self.swap.get("tensors", []))
+        """Names of the tensors swapped to host memory and back in the returned graph.
+
+        Empty after a fallback; what was planned stays in ``swap["tensors"]``.
+        """
+        return list(self.swap.get("tensors", [])) if self.graph_changed else []
 
     @property
     def estimated_recompute_overhead(self):
@@ -188,6 +195,8 @@ class Report:
         if rc.get("left_alone"):
             why = ", ".join(f"{n} {reason}" for reason, n in sorted(rc["left_alone"].items()))
             lines.append(f"    forward ops never recomputed: {why}")
+        if rc.get("note"):
+            lines.append(f"    {rc['note']}")
         if rc.get("hinted_but_not_recomputable"):
             lines.append("    hinted but not recomputable: "
                          + ", ".join(rc["hinted_but_not_recomputable"][:5]))

@@ -1,0 +1,776 @@
+"""Random training graphs, and the checks every one of them must pass under tfmemopt.
+
+A case is a plain JSON-able dict (a *spec*): the model's blocks, its losses, its
+shapes, and the pass's configuration (policy, budget as a ratio of the predicted
+peak, min_tensor_bytes, scopes). `draw_spec(chooser)` makes one from any source of
+choices: `hypothesis` (tests/test_generated_graphs.py) or a seeded `random.Random`
+(benchmarks/stress.py), so both explore the same space and every failure prints a
+spec that replays it exactly.
+
+`run_case(spec)` checks one case:
+  * the step trains (2 SGD steps) without tfmemopt: the baseline;
+  * through Grappler's own entry point (tf_optimizer.OptimizeGraph) with tfmemopt:
+    the output is a valid graph, nothing stateful was cloned, every `TfMemOpt/`
+    node's original exists, and a second pass over the output (a fresh pass)
+    adds nothing; when the report says the plan fits, the fresh pass's own
+    simulation of the output is within the budget too;
+  * the step trains again with tfmemopt.enable() (the graph TF really runs, taken
+    from the runtime's post-optimization function graphs, is checked the same way),
+    and its losses, gradients and updated weights are bitwise equal to the baseline.
+
+Bitwise comparisons need TF itself to be deterministic: the worker process sets one
+inter-op thread before TensorFlow starts (`python tests/generated_graphs.py --worker`),
+which is where cases run. `Worker` drives one such process; a case that kills it is
+reported as a crash.
+"""
+
+import json
+import os
+import random
+import select
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ---------------------------------------------------------------------------------
+# Specs
+
+ACTIVATIONS = ["relu", "tanh", "sigmoid", "none", "softplus"]
+DENSE_BLOCKS = ["dense", "dense", "residual", "branch", "concat_prev", "skip_prev",
+                "reduce", "dropout", "stateless_dropout", "shared_dense", "batch_center"]
+IMAGE_BLOCKS = ["conv", "conv", "pool", "conv_branch", "skip_prev", "dropout",
+                "channel_center", "flatten", "global_pool"]
+REDUCTIONS = ["center", "softmax", "max_norm", "logsumexp", "layer_norm", "sum_gate"]
+LOSSES = ["mse", "softmax_xent", "sigmoid_xent", "l2", "abs_mean"]
+POLICIES = ["AUTO", "AUTO", "AUTO", "SQRT", "MANUAL"]
+# Budget as a fraction of the predicted peak; 0 means 1 byte (never feasible).
+BUDGET_RATIOS = [0.0, 0.2, 0.4, 0.6, 0.75, 0.85, 0.95, 1.0, 1.5]
+MIN_TENSOR_BYTES = [0, 1, 256, 4096, 65536]
+
+
+class RandomChooser:
+    """Choices from a seeded random.Random (benchmarks/stress.py)."""
+
+    def __init__(self, seed):
+        self._rng = random.Random(seed)
+
+    def integer(self, lo, hi):
+        return self._rng.randint(lo, hi)
+
+    def choice(self, options):
+        return options[self._rng.randrange(len(options))]
+
+    def boolean(self):
+        return self._rng.random() < 0.5
+
+
+class HypothesisChooser:
+    """Choices drawn from hypothesis strategies (so hypothesis can shrink them)."""
+
+    def __init__(self, draw):
+        from hypothesis import strategies as st
+
+        self._draw, self._st = draw, st
+
+    def integer(self, lo, hi):
+        return self._draw(self._st.integers(lo, hi))
+
+    def choice(self, options):
+        return self._draw(self._st.sampled_from(options))
+
+    def boolean(self):
+        return self._draw(self._st.booleans())
+
+
+def _dense_block(c, kind):
+    block = {"type": kind}
+    if kind in ("dense", "shared_dense"):
+        block.update(units=c.integer(1, 96), act=c.choice(ACTIVATIONS), bias=c.boolean())
+    elif kind == "residual":
+        block.update(act=c.choice(ACTIVATIONS))
+    elif kind == "branch":
+        block.update(units=[c.integer(1, 64), c.integer(1, 64)], act=c.choice(ACTIVATIONS),
+                     combine=c.choice(["add", "concat", "mul"]))
+    elif kind in ("concat_prev", "skip_prev"):
+        block.update(back=c.integer(1, 4))
+    elif kind == "reduce":
+        block.update(how=c.choice(REDUCTIONS))
+    elif kind in ("dropout", "stateless_dropout"):
+        block.update(rate=c.choice([0.1, 0.3, 0.5]))
+    return block
+
+
+def _image_block(c, kind):
+    block = {"type": kind}
+    if kind == "conv":
+        block.update(filters=c.integer(1, 12), kernel=c.choice([1, 3]), stride=c.choice([1, 2]),
+                     padding=c.choice(["SAME", "VALID"]), act=c.choice(ACTIVATIONS),
+                     share=c.boolean())
+    elif kind == "pool":
+        block.update(how=c.choice(["max", "avg"]))
+    elif kind == "conv_branch":
+        block.update(filters=c.integer(1, 8), combine=c.choice(["add", "concat"]),
+                     act=c.choice(ACTIVATIONS))
+    elif kind == "skip_prev":
+        block.update(back=c.integer(1, 3))
+    elif kind == "dropout":
+        block.update(rate=c.choice([0.1, 0.3, 0.5]))
+    return block
+
+
+def draw_spec(c):
+    """One case from the chooser `c` (RandomChooser or HypothesisChooser)."""
+    kind = c.choice(["dense", "dense", "image"])
+    spec = {"seed": c.integer(0, 2**31 - 1), "batch": c.integer(1, 48), "kind": kind}
+    if kind == "dense":
+        spec["input_shape"] = [c.integer(1, 128)]
+    else:
+        spec["input_shape"] = [c.integer(2, 14), c.integer(2, 14), c.integer(1, 4)]
+    blocks, image = [], kind == "image"
+    for _ in range(c.integer(1, 9)):
+        if image:
+            block = _image_block(c, c.choice(IMAGE_BLOCKS))
+            image = block["type"] not in ("flatten", "global_pool")
+        else:
+            block = _dense_block(c, c.choice(DENSE_BLOCKS))
+        blocks.append(block)
+    spec["blocks"] = blocks
+    spec["losses"] = [{"type": c.choice(LOSSES), "tap": c.integer(0, 8),
+                       "outputs": c.integer(1, 10)} for _ in range(c.integer(1, 3))]
+    spec["optimizer"] = c.choice(["sgd", "momentum"])
+    policy = c.choice(POLICIES)
+    config = {"policy": policy, "min_tensor_bytes": c.choice(MIN_TENSOR_BYTES),
+              "budget_ratio": c.choice(BUDGET_RATIOS)}
+    if policy == "MANUAL":
+        config["scopes"] = sorted({f"block_{c.integer(0, len(blocks) - 1)}"
+                                   for _ in range(c.integer(1, 3))})
+    spec["config"] = config
+    return spec
+
+
+def random_spec(seed):
+    return draw_spec(RandomChooser(seed))
+
+
+def hypothesis_specs():
+    """A hypothesis strategy of specs."""
+    from hypothesis import strategies as st
+
+    return st.composite(lambda draw: draw_spec(HypothesisChooser(draw)))()
+
+
+# ---------------------------------------------------------------------------------
+# Models (TensorFlow is imported lazily: the worker sets its threads first)
+
+class Model:
+    """Variables (from a numpy RNG seeded by the spec) and a builder of the train
+    step. Two Models of one spec start from bitwise-equal weights.
+
+    The weights are made by one eager forward pass on zeros, in call order; the
+    traced step asks for them in the same order and gets the same variables."""
+
+    def __init__(self, spec):
+        import numpy as np
+        import tensorflow as tf
+
+        self.tf, self.np, self.spec = tf, np, spec
+        self.rng = np.random.default_rng(spec["seed"])
+        batch = spec["batch"]
+        self.x = tf.constant(self.rng.standard_normal([batch] + spec["input_shape"],
+                                                      dtype=np.float32))
+        self.targets = [tf.constant(self.rng.standard_normal((batch, loss["outputs"]),
+                                                             dtype=np.float32))
+                        for loss in spec["losses"]]
+        self.labels = [tf.constant(self.rng.integers(0, loss["outputs"], size=(batch,),
+                                                     dtype=np.int32))
+                       for loss in spec["losses"]]
+        self.variables, self._sequence, self._shared = [], [], {}
+        self._recording = True
+        self._losses(self._forward(tf.zeros_like(self.x)))
+        self._recording = False
+        self._slots = []
+        if spec["optimizer"] == "momentum":
+            self._slots = [tf.Variable(tf.zeros_like(v)) for v in self.variables]
+
+    def _weight(self, shape, share_key=None):
+        if not self._recording:
+            variable = self._sequence[self._next]
+            self._next += 1
+            return variable
+        variable = self._shared.get(share_key) if share_key is not None else None
+        if variable is None:
+            fan_in = int(self.np.prod(shape[:-1])) or 1
+            value = self.rng.standard_normal(shape, dtype=self.np.float32) / self.np.sqrt(fan_in)
+            variable = self.tf.Variable(value.astype(self.np.float32))
+            self.variables.append(variable)
+            if share_key is not None:
+                self._shared[share_key] = variable
+        self._sequence.append(variable)
+        return variable
+
+    def _act(self, h, name):
+        tf = self.tf
+        return {"relu": tf.nn.relu, "tanh": tf.tanh, "sigmoid": tf.sigmoid,
+                "softplus": tf.nn.softplus, "none": tf.identity}[name](h)
+
+    def _dense(self, h, units, act="none", bias=False, share=False):
+        tf = self.tf
+        w = self._weight([h.shape[-1], units], ("dense", h.shape[-1], units) if share else None)
+        h = tf.matmul(h, w)
+        if bias:
+            h = h + self._weight([units])
+        return self._act(h, act)
+
+    def _conv(self, h, filters, kernel, stride=1, padding="SAME", act="none", share=False):
+        tf = self.tf
+        if padding == "VALID" and (h.shape[1] < kernel or h.shape[2] < kernel):
+            padding = "SAME"
+        key = ("conv", kernel, h.shape[-1], filters) if share else None
+        w = self._weight([kernel, kernel, h.shape[-1], filters], key)
+        return self._act(tf.nn.conv2d(h, w, stride, padding), act)
+
+    def _forward(self, x):
+        """Runs the blocks; returns the flat (rank-2) taps the losses read."""
+        tf, spec = self.tf, self.spec
+        h, history, taps = x, [x], []
+        for i, block in enumerate(spec["blocks"]):
+            with tf.name_scope(f"block_{i}"):
+                h = self._block(block, h, history, i)
+            history.append(h)
+            if h.shape.rank == 2:
+                taps.append(h)
+        if h.shape.rank != 2:
+            h = tf.reshape(h, [spec["batch"], -1])
+            taps.append(h)
+        return taps
+
+    def _block(self, b, h, history, i):
+        tf = self.tf
+        kind = b["type"]
+        if kind in ("dense", "shared_dense"):
+            return self._dense(h, b["units"], b["act"], b["bias"], share=kind == "shared_dense")
+        if kind == "residual":
+            return h + self._dense(h, h.shape[-1], b["act"])
+        if kind == "branch":
+            u0, u1 = b["units"]
+            if b["combine"] in ("add", "mul"):
+                u1 = u0
+            left, right = self._dense(h, u0, b["act"]), self._dense(h, u1, "tanh")
+            return {"add": tf.add, "mul": tf.multiply,
+                    "concat": lambda a, c: tf.concat([a, c], 1)}[b["combine"]](left, right)
+        if kind == "concat_prev":
+            prev = history[max(0, len(history) - 1 - b["back"])]
+            if prev.shape.rank != 2:
+                prev = tf.reduce_mean(prev, axis=[1, 2])
+            return tf.concat([h, prev], axis=1)
+        if kind == "skip_prev":
+            prev = history[max(0, len(history) - 1 - b["back"])]
+            if prev.shape == h.shape:
+                return h + prev
+            if h.shape.rank == 2 and prev.shape.rank == 2:
+                return h + self._dense(prev, h.shape[-1])
+            return h * 1.5
+        if kind == "reduce":
+            how = b["how"]
+            if how == "center":
+                return h - tf.reduce_mean(h, axis=1, keepdims=True)
+            if how == "softmax":
+                return tf.nn.softmax(h)
+            if how == "max_norm":
+                return h / (tf.reduce_max(tf.abs(h), axis=1, keepdims=True) + 1.0)
+            if how == "logsumexp":
+                return h - tf.reduce_logsumexp(h, axis=1, keepdims=True)
+            if how == "layer_norm":
+                mean, var = tf.nn.moments(h, axes=[1], keepdims=True)
+                return (h - mean) * tf.math.rsqrt(var + 1e-3)
+            return h * tf.sigmoid(tf.reduce_sum(h, axis=1, keepdims=True))
+        if kind == "dropout":
+            return tf.nn.dropout(h, rate=b["rate"], seed=100 + i)
+        if kind == "stateless_dropout":
+            mask = tf.random.stateless_uniform(tf.shape(h), seed=[self.spec["seed"] % 997, i])
+            return tf.where(mask >= b["rate"], h / (1 - b["rate"]), tf.zeros_like(h))
+        if kind == "batch_center":
+            return h - tf.reduce_mean(h, axis=0, keepdims=True)
+        # Image blocks.
+        if kind == "conv":
+            return self._conv(h, b["filters"], b["kernel"], b["stride"], b["padding"], b["act"],
+                              share=b["share"])
+        if kind == "pool":
+            if h.shape[1] < 2 or h.shape[2] < 2:
+                return tf.nn.relu(h)
+            pool = tf.nn.max_pool2d if b["how"] == "max" else tf.nn.avg_pool2d
+            return pool(h, 2, 2, "VALID")
+        if kind == "conv_branch":
+            left = self._conv(h, b["filters"], 3, act=b["act"])
+            right = self._conv(h, b["filters"], 1, act="relu")
+            return left + right if b["combine"] == "add" else tf.concat([left, right], 3)
+        if kind == "channel_center":
+            return h - tf.reduce_mean(h, axis=[1, 2], keepdims=True)
+        if kind == "flatten":
+            return tf.reshape(h, [self.spec["batch"], -1])
+        if kind == "global_pool":
+            return tf.reduce_mean(h, axis=[1, 2])
+        raise ValueError(f"unknown block {kind}")
+
+    def _losses(self, taps):
+        tf = self.tf
+        losses = []
+        for k, loss in enumerate(self.spec["losses"]):
+            with tf.name_scope(f"loss_{k}"):
+                tap = taps[min(loss["tap"], len(taps) - 1)]
+                logits = self._dense(tap, loss["outputs"])
+                kind = loss["type"]
+                if kind == "mse":
+                    value = tf.reduce_mean(tf.square(logits - self.targets[k]))
+                elif kind == "softmax_xent":
+                    value = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                        labels=self.labels[k], logits=logits))
+                elif kind == "sigmoid_xent":
+                    value = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+                        labels=tf.sigmoid(self.targets[k]), logits=logits))
+                elif kind == "l2":
+                    value = 1e-3 * tf.add_n([tf.nn.l2_loss(v) for v in self.variables])
+                    value += tf.reduce_mean(logits)
+                else:
+                    value = tf.reduce_mean(tf.abs(logits))
+                losses.append(value)
+        return losses
+
+    def step_function(self):
+        """A fresh tf.function (traced, and optimized, on its first call): one SGD or
+        momentum step; returns (losses, gradients)."""
+        tf = self.tf
+
+        @tf.function
+        def step():
+            self._next = 0
+            with tf.GradientTape() as tape:
+                losses = self._losses(self._forward(self.x))
+                total = tf.add_n(losses)
+            grads = tape.gradient(total, self.variables,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            for k, (variable, grad) in enumerate(zip(self.variables, grads)):
+                if self._slots:
+                    self._slots[k].assign(0.9 * self._slots[k] + grad)
+                    variable.assign_sub(0.05 * self._slots[k])
+                else:
+                    variable.assign_sub(0.05 * grad)
+            return losses, grads
+
+        # Random ops take their seeds at trace time (the first call, next).
+        tf.random.set_seed(self.spec["seed"] % 100_003)
+        return step
+
+
+def _bits(array):
+    return array.tobytes()
+
+
+def train(model, steps=2):
+    """Losses and gradients of each step, and the final weights (numpy)."""
+    step = model.step_function()
+    out = {"losses": [], "grads": []}
+    for _ in range(steps):
+        losses, grads = step()
+        out["losses"].append([loss.numpy() for loss in losses])
+        out["grads"].append([g.numpy() for g in grads])
+    out["weights"] = [v.numpy() for v in model.variables]
+    return out
+
+
+def first_difference(base, mine):
+    """'' if bitwise equal, else where they first differ."""
+    for key in ("losses", "grads"):
+        for s, (a_list, b_list) in enumerate(zip(base[key], mine[key])):
+            for k, (a, b) in enumerate(zip(a_list, b_list)):
+                if _bits(a) != _bits(b):
+                    return f"step {s + 1} {key}[{k}]: {a.ravel()[:3]} vs {b.ravel()[:3]}"
+    for k, (a, b) in enumerate(zip(base["weights"], mine["weights"])):
+        if _bits(a) != _bits(b):
+            return f"weights[{k}] after training differ"
+    return ""
+
+
+# ---------------------------------------------------------------------------------
+# Structural checks on an optimized GraphDef
+
+PREFIX = "TfMemOpt/"
+
+
+def original_of(name, names):
+    """The node a `TfMemOpt/<Mechanism>/<original>[/...]` node stands for: the
+    longest leading part of <original>... that names a node of the graph, or None."""
+    parts = name.split("/")[2:]
+    for end in range(len(parts), 0, -1):
+        candidate = "/".join(parts[:end])
+        if candidate in names:
+            return candidate
+    return None
+
+
+def structure_problems(graph_def, where, input_names=()):
+    """Invalid-graph problems, and property violations, of an optimized graph:
+    (invalid, violations), lists of strings. A clone's original must be a node of
+    the output, or of the input (`input_names`) when TF's own passes, running after
+    ours, removed or renamed it (e.g. Relu(Relu(x)) -> Relu(x))."""
+    from tensorflow.python.framework import op_def_registry
+
+    invalid, violations = [], []
+    nodes = {n.name: n for n in graph_def.node}
+    if len(nodes) != len(graph_def.node):
+        counts = {}
+        for n in graph_def.node:
+            counts[n.name] = counts.get(n.name, 0) + 1
+        invalid.append(f"{where}: duplicate node names "
+                       f"{sorted(k for k, v in counts.items() if v > 1)[:3]}")
+    for n in graph_def.node:
+        for i in n.input:
+            if i.lstrip("^").split(":")[0] not in nodes:
+                invalid.append(f"{where}: {n.name} reads missing input {i}")
+    # Acyclic (Kahn) over data and control edges, loop back edges aside.
+    indegree = {name: 0 for name in nodes}
+    readers = {name: [] for name in nodes}
+    for n in graph_def.node:
+        if n.op in ("Merge", "RefMerge"):
+            continue  # a loop's Merge reads NextIteration: a back edge
+        for i in n.input:
+            src = i.lstrip("^").split(":")[0]
+            if src in nodes:
+                indegree[n.name] += 1
+                readers[src].append(n.name)
+    ready = [name for name, d in indegree.items() if d == 0]
+    seen = 0
+    while ready:
+        name = ready.pop()
+        seen += 1
+        for r in readers[name]:
+            indegree[r] -= 1
+            if indegree[r] == 0:
+                ready.append(r)
+    if seen != len(nodes) and not any(n.op == "NextIteration" for n in graph_def.node):
+        invalid.append(f"{where}: the graph has a cycle")
+    names = set(nodes)
+    for n in graph_def.node:
+        if not n.name.startswith(PREFIX):
+            continue
+        original = original_of(n.name, names)
+        if original is None and original_of(n.name, set(input_names)) is None:
+            violations.append(f"{where}: {n.name} has no original in the graph")
+        op_def = op_def_registry.get(n.op)
+        if n.name.startswith(PREFIX + "Recompute/"):
+            if op_def is None or op_def.is_stateful:
+                violations.append(f"{where}: stateful op {n.op} cloned as {n.name}")
+            # Only the pass's own output is compared op for op: TF's passes that run
+            # after it may rewrite an original, or a clone (a mismatch shows if that
+            # changes results), and reuse names.
+            if not input_names and original is not None and nodes[original].op != n.op:
+                violations.append(f"{where}: {n.name} is a {n.op}, its original a "
+                                  f"{nodes[original].op}")
+    return invalid, violations
+
+
+def tfmemopt_nodes(graph_def):
+    return sorted(n.name for n in graph_def.node if n.name.startswith(PREFIX))
+
+
+# ---------------------------------------------------------------------------------
+# One case
+
+def _optimize(metagraph, fields, alone=False):
+    """Grappler's own entry point with tfmemopt: (GraphDef, the pass's report).
+    alone=True runs TfMemOpt alone, once: its output exactly."""
+    import tfmemopt
+    from tensorflow.core.protobuf import rewriter_config_pb2
+    from tensorflow.python.grappler import cluster as grappler_cluster
+    from tensorflow.python.grappler import tf_optimizer
+
+    config = tfmemopt.config_proto(log_level=0, **fields)
+    config.graph_options.rewrite_options.min_graph_nodes = -1
+    if alone:
+        config.graph_options.rewrite_options.optimizers.append(tfmemopt.PASS_NAME)
+        config.graph_options.rewrite_options.meta_optimizer_iterations = (
+            rewriter_config_pb2.RewriterConfig.ONE)
+    before = len(tfmemopt.reports())
+    graph = tf_optimizer.OptimizeGraph(
+        config, metagraph, cluster=grappler_cluster.Cluster(disable_detailed_stats=True))
+    mine = [r for r in tfmemopt.reports()[before:] if r.graph_id == "graph_to_optimize"]
+    return graph, mine[-1] if mine else None
+
+
+def config_fields(spec, peak_before):
+    """The tfmemopt fields of a case, its budget made from the predicted peak."""
+    config = spec["config"]
+    ratio = config["budget_ratio"]
+    budget = 1 if ratio == 0 else max(1, int(ratio * peak_before))
+    fields = {"budget": budget, "min_tensor_bytes": config["min_tensor_bytes"],
+              "recompute_policy": config["policy"]}
+    if config.get("scopes"):
+        fields["recompute_scopes"] = list(config["scopes"])
+    return fields
+
+
+def _budget_problems(report, fields, where, simulated_after=None):
+    """A report that says the plan fits must be within the budget, and so must a
+    fresh simulation of its output (simulated_after)."""
+    problems = []
+    if report is None:
+        return [f"{where}: no report"]
+    if report.status != "ok":
+        return []  # counted as a fall-back
+    budget = fields["budget"]
+    says_fits = report.recompute.get("planned") and report.recompute.get("feasible")
+    if says_fits or report.fits:
+        for device, after in report.predicted_peak_bytes["after"].items():
+            if after > budget:
+                problems.append(f"{where}: report says it fits but the peak on {device} "
+                                f"is {after} > budget {budget}")
+        for device, peak in (simulated_after or {}).items():
+            if peak > budget:
+                problems.append(f"{where}: report says it fits but a fresh simulation of "
+                                f"the output peaks at {peak} > budget {budget} on {device}")
+    return problems
+
+
+def _phase(name):
+    """Tells the Worker what runs now, so that a crash can be placed: 'baseline'
+    (training without the pass), 'optimize' or 'optimized run'."""
+    if os.environ.get("TFMEMOPT_STRESS_WORKER"):
+        print(f"PHASE {name}", flush=True)
+
+
+def run_case(spec):
+    """Checks one spec. Returns {"outcome": "ok"|"mismatch"|"invalid_graph"|
+    "violation"|"fallback"|"generator_error", "problems": [...], "rewritten": bool}."""
+    import tensorflow as tf
+    import tfmemopt
+    from tensorflow.python.eager import context
+    from tfmemopt.analysis import metagraph_of
+
+    result = {"outcome": "ok", "problems": [], "rewritten": False, "details": {}}
+    tfmemopt.disable()
+    tfmemopt.clear_reports()
+    _phase("baseline")
+    try:
+        base = train(Model(spec))
+    except Exception:  # the generator built something TF rejects: our bug, not the pass's
+        result.update(outcome="generator_error", problems=[traceback.format_exc(limit=3)])
+        return result
+
+    _phase("optimize")
+    # The budget, from the pass's own prediction for this step.
+    probe = Model(spec)
+    concrete = probe.step_function().get_concrete_function()
+    metagraph = metagraph_of(concrete)
+    peak = tfmemopt.analyze_metagraph(metagraph, mode="ANALYZE_ONLY")
+    peak_before = max(peak.predicted_peak_bytes["before"].values() or [0])
+    fields = config_fields(spec, peak_before)
+    result["details"].update(peak_before=peak_before, fields=fields)
+
+    invalid, violations, fallbacks = [], [], []
+    input_names = {n.name for n in metagraph.graph_def.node}
+    clones = []
+    # Structure, through Grappler's entry point: the pass alone (its own output),
+    # then as TF runs it (TF's passes first, two iterations).
+    for alone in (True, False):
+        where = "TfMemOpt alone" if alone else "OptimizeGraph"
+        graph, report = _optimize(metagraph, fields, alone=alone)
+        bad, viol = structure_problems(graph, where, () if alone else input_names)
+        invalid += bad
+        violations += viol
+        if report is None or report.status != "ok":
+            fallbacks.append(f"{where}: fallback in stage "
+                             f"{report.failed_stage if report else '?'}: "
+                             f"{report.message if report else 'no report'}")
+        added_here = tfmemopt_nodes(graph)
+        clones += added_here
+        # A second, fresh pass over the output adds nothing; its simulation of the
+        # output is an independent check of the budget claim.
+        again_meta = tf.compat.v1.MetaGraphDef()
+        again_meta.CopyFrom(metagraph)
+        again_meta.graph_def.CopyFrom(graph)
+        again, report2 = _optimize(again_meta, fields, alone=alone)
+        if tfmemopt_nodes(again) != added_here:
+            added = sorted(set(tfmemopt_nodes(again)) - set(added_here))
+            removed = sorted(set(added_here) - set(tfmemopt_nodes(again)))
+            violations.append(f"{where}: a second pass changed the TfMemOpt nodes: added "
+                              f"{added[:5]} ({len(added)}), removed {removed[:5]} "
+                              f"({len(removed)})")
+        if report2 is not None and report2.graph_changed:
+            violations.append(f"{where}: a second pass reports graph_changed")
+        simulated = (report2.predicted_peak_bytes["before"]
+                     if report2 is not None and added_here else None)
+        violations += _budget_problems(report, fields, where, simulated)
+    result["details"]["clones"] = len(clones)
+
+    # Training with tfmemopt enabled: the graph TF really runs.
+    _phase("optimized run")
+    tfmemopt.enable(log_level=0, **fields)
+    ctx = context.context()
+    ctx.enable_graph_collection()
+    try:
+        mine = train(Model(spec))
+    except Exception as err:
+        invalid.append(f"the optimized step failed to run: {type(err).__name__}: "
+                       f"{str(err)[:500]}")
+        mine = None
+    finally:
+        metadata = ctx.export_run_metadata()
+        ctx.disable_graph_collection()
+        tfmemopt.disable()
+    runtime = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")]
+    for r in runtime:
+        if r.status != "ok":
+            fallbacks.append(f"runtime: fallback in stage {r.failed_stage}: {r.message}")
+        violations += _budget_problems(r, fields, "runtime")
+    ran = 0
+    for function in (metadata.function_graphs if metadata else []):
+        post = function.post_optimization_graph
+        if not any(n.name.startswith("gradient_tape/") for n in post.node):
+            continue  # an eager op's own small function, not the train step
+        ran += len(tfmemopt_nodes(post))
+        pre = {n.name for n in function.pre_optimization_graph.node}
+        bad, viol = structure_problems(post, "runtime", pre)
+        invalid += bad
+        violations += viol
+    result["details"]["runtime_tfmemopt_nodes"] = ran
+    result["rewritten"] = bool(clones) or ran > 0
+    if mine is not None:
+        difference = first_difference(base, mine)
+        if difference:
+            result["problems"].append(f"results differ: {difference}")
+            result["outcome"] = "mismatch"
+    if invalid:
+        result["problems"] += invalid
+        result["outcome"] = "invalid_graph"
+    elif violations and result["outcome"] == "ok":
+        result["outcome"] = "violation"
+    result["problems"] += violations
+    if fallbacks:
+        result["problems"] += fallbacks
+        if result["outcome"] == "ok":
+            result["outcome"] = "fallback"
+    tfmemopt.clear_reports()
+    return result
+
+
+# ---------------------------------------------------------------------------------
+# Worker processes
+
+def worker_main():
+    """Reads one JSON spec per line from stdin, writes one 'RESULT <json>' line each."""
+    import tensorflow as tf
+
+    # TF itself is nondeterministic run to run with several inter-op threads; the
+    # bitwise comparisons need one.
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        spec = json.loads(line)
+        if spec.get("abort_worker"):  # lets tests check that a dead worker is counted
+            os.abort()
+        start = time.time()
+        try:
+            result = run_case(spec)
+        except Exception:
+            result = {"outcome": "error", "problems": [traceback.format_exc(limit=6)],
+                      "rewritten": False, "details": {}}
+        result["seconds"] = round(time.time() - start, 3)
+        print("RESULT " + json.dumps(result, default=str), flush=True)
+
+
+class WorkerDied(Exception):
+    """The worker died on a case; `phase` is where ('baseline': TF crashed while the
+    pass had not run)."""
+
+    def __init__(self, message, phase="start"):
+        super().__init__(message)
+        self.phase = phase
+
+
+class Worker:
+    """One worker process (`python generated_graphs.py --worker`), restarted after a
+    crash or every `recycle` cases (memory)."""
+
+    def __init__(self, recycle=60, env=None):
+        self.recycle, self.env, self.proc, self.done = recycle, env, None, 0
+        self.phase = "start"
+        self.stderr_path = None
+
+    def _start(self):
+        import tempfile
+
+        full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TFMEMOPT_STRESS_WORKER="1")
+        full_env.update(self.env or {})
+        self.stderr_file = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.stderr_file, text=True, env=full_env,
+            cwd=HERE)
+        line = self.proc.stdout.readline()
+        if line.strip() != "READY":
+            raise WorkerDied(f"worker failed to start: {line!r} {self._stderr_tail()}")
+        self.done = 0
+
+    def _stderr_tail(self):
+        try:
+            self.stderr_file.seek(0)
+            return self.stderr_file.read()[-2000:]
+        except Exception:
+            return ""
+
+    def run(self, spec, timeout=600):
+        """The case's result dict; raises WorkerDied if the process died on it."""
+        if self.proc is None or self.proc.poll() is not None or self.done >= self.recycle:
+            self.close()
+            self._start()
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.time() + timeout
+        self.phase = "start"
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0, deadline - time.time()))
+            if not ready:
+                self.proc.kill()
+                self.proc.wait()
+                self.proc = None
+                raise WorkerDied(f"worker hung on this case for {timeout} s in phase "
+                                 f"{self.phase} (killed)", self.phase)
+            line = self.proc.stdout.readline()
+            if not line:
+                code = self.proc.wait()
+                tail = self._stderr_tail()
+                self.proc = None
+                raise WorkerDied(f"worker exited with {code} on this case in phase {self.phase}"
+                                 f"; stderr tail:\n{tail}", self.phase)
+            if line.startswith("PHASE "):
+                self.phase = line[len("PHASE "):].strip()
+            if line.startswith("RESULT "):
+                self.done += 1
+                return json.loads(line[len("RESULT "):])
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        worker_main()
+    elif len(sys.argv) == 3 and sys.argv[1] == "--replay":
+        import tensorflow as tf
+
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        print(json.dumps(run_case(json.loads(sys.argv[2])), indent=1, default=str))
+    else:
+        sys.exit("usage: generated_graphs.py --worker | --replay SPEC_JSON")

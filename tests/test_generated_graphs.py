@@ -1,0 +1,155 @@
+"""Random training graphs (tests/generated_graphs.py) under random budgets and
+policies: whatever the pass does, nothing is lost.
+
+For every generated case: the optimized graph is valid and runs; losses, gradients
+and updated weights are bitwise equal to the run without tfmemopt (cases run in a
+worker process with one inter-op thread, where TF itself is deterministic); a second
+pass over the output adds nothing; a report that says the plan fits is within the
+budget, and so is a fresh simulation of the output; nothing stateful is cloned; every
+`TfMemOpt/` node's original exists. CI runs a fixed (derandomized) sample;
+`python benchmarks/stress.py --cases N` runs more.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import generated_graphs as gg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = gg.Worker()
+    yield w
+    w.close()
+
+
+def describe(spec, result):
+    return (f"{result['outcome']}:\n  " + "\n  ".join(result["problems"][:8]) +
+            f"\n  details: {result.get('details')}\n  spec: {json.dumps(spec)}")
+
+
+@settings(max_examples=16, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(spec=gg.hypothesis_specs())
+def test_random_training_graphs_lose_nothing(worker, spec):
+    try:
+        result = worker.run(spec)
+    except gg.WorkerDied as err:
+        pytest.fail(f"crash: {err}\n  spec: {json.dumps(spec)}")
+    # A fall-back keeps the original graph (nothing lost); known ones are listed below.
+    assert result["outcome"] in ("ok", "fallback"), describe(spec, result)
+
+
+def test_the_sample_exercises_the_pass(worker):
+    """The space is not vacuous: most policies and budgets make the pass rewrite."""
+    rewritten = 0
+    for seed in range(3):
+        result = worker.run(gg.random_spec(seed))
+        assert result["outcome"] in ("ok", "fallback"), describe(gg.random_spec(seed), result)
+        rewritten += result["rewritten"]
+    assert rewritten >= 2
+
+
+def test_a_dead_worker_is_a_crash_and_the_next_case_runs(worker):
+    with pytest.raises(gg.WorkerDied, match="worker exited") as died:
+        worker.run({"abort_worker": True})
+    assert died.value.phase == "start"
+    assert worker.run(gg.random_spec(1))["outcome"] in ("ok", "fallback")
+
+
+def test_stress_prints_the_counts_as_its_last_line():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "stress.py"),
+                           "--cases", "2", "--seed", "5", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert list(summary)[:5] == ["cases", "mismatches", "invalid_graphs", "crashes",
+                                 "crashes_without_tfmemopt"]
+    assert summary["cases"] == 2
+    assert proc.returncode == (0 if all(
+        summary[k] == 0 for k in summary
+        if k not in ("cases", "rewritten", "seconds", "crashes_without_tfmemopt")) else 1)
+
+
+# Fall-backs found by the generator: the pass keeps the original graph (nothing is
+# lost) and logs a WARNING, but it planned something its own verifier rejected.
+MANUAL_RAISES_THE_PEAK = {
+    "seed": 1808726707, "batch": 28, "kind": "image", "input_shape": [14, 13, 1],
+    "blocks": [{"type": "dropout", "rate": 0.5}, {"type": "flatten"}],
+    "losses": [{"type": "mse", "tap": 2, "outputs": 10},
+               {"type": "sigmoid_xent", "tap": 5, "outputs": 5}],
+    "optimizer": "momentum",
+    "config": {"policy": "MANUAL", "min_tensor_bytes": 256, "budget_ratio": 1.0,
+               "scopes": ["block_0", "block_1"]}}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "MANUAL recomputes block_0's dropout (GreaterEqual, SelectV2, Mul) from its "
+    "RandomUniform draw, which then stays alive until the backward pass (float32: 4x "
+    "the bool mask it replaces): predicted peak 121.6 KiB vs 81.8 KiB. MANUAL applies "
+    "the hints without checking the peak, so the verifier rejects the whole plan and "
+    "the pass falls back (block_1's recompute is dropped too). Stress seed 38."))
+def test_manual_hints_that_raise_the_peak_are_planned_around(worker):
+    result = worker.run(MANUAL_RAISES_THE_PEAK)
+    assert result["outcome"] == "ok", describe(MANUAL_RAISES_THE_PEAK, result)
+
+
+# Failures found by benchmarks/stress.py (seed 0 unless said), replayed exactly:
+# `python benchmarks/stress.py --replay-seed K` prints the same case and result.
+@pytest.mark.xfail(strict=True, reason=(
+    "TF's own passes, running again after ours (the meta-optimizer's second iteration), "
+    "rewrite the cloned subgraph differently from the original, so the recomputed "
+    "values, and the gradients, differ in the last bits. Seed 310: constant folding "
+    "pushes block_2's dropout scale into the clone of block_1/mul ((x*1.5)*(1/0.7) "
+    "becomes x*2.142857; the clone of block_1/mul is a Const), which the original chain, "
+    "whose intermediate has other readers, does not get. Seed 76: the remapper fuses a "
+    "cloned MatMul+BiasAdd+Tanh into one _FusedMatMul. Seed 809: the clone of a 3-input "
+    "AddN comes out with its inputs reordered (the TfMemOpt/... input first), so it sums "
+    "in another order."))
+@pytest.mark.parametrize("seed", [310, 76, 809])
+def test_tf_passes_after_ours_leave_the_clones_as_exact_copies(worker, seed):
+    spec = gg.random_spec(seed)
+    result = worker.run(spec)
+    assert result["outcome"] == "ok", describe(spec, result)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "TF's AddN kernel sums into the first input buffer it may reuse, moved to the front "
+    "(aggregate_ops.h). The clone of block_1/Mean reads block_0/Mean in the backward "
+    "pass, so block_0/Mean, an input of the forward AddN(block_0/Mean, block_2/add, "
+    "block_3/Softplus), can no longer be reused when that AddN runs: it reuses another "
+    "input and sums in another order (see also tests/test_faults.py)."))
+def test_recomputation_leaves_forward_addn_sums_in_their_order(worker):
+    spec = gg.random_spec(763)
+    result = worker.run(spec)
+    assert result["outcome"] == "ok", describe(spec, result)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "SQRT: the planner's simulation of its rewrite predicts 169,428 bytes, within the "
+    "169,853-byte budget, so the report says recompute.feasible; verify's fresh "
+    "analysis of the rewritten graph (its own tensor table and topological order) "
+    "predicts 172,428, so peak_after exceeds the budget and fits is False: the report "
+    "contradicts itself (pass alone, OptimizeGraph and runtime alike)."))
+def test_a_plan_that_says_it_fits_is_within_the_budget(worker):
+    spec = gg.random_spec(449)
+    result = worker.run(spec)
+    assert result["outcome"] == "ok", describe(spec, result)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "AUTO, after TF's passes (OptimizeGraph and at run time): the plan's own simulation "
+    "lowers the peak, but verify's fresh analysis of the rewritten graph predicts 13.1 "
+    "KiB > the original's 12.6 KiB, so the pass falls back; on the raw graph (the pass "
+    "alone) the same case verifies (12.5 < 12.9 KiB). Stress --seed 11, case 96."))
+def test_auto_plans_pass_their_own_verification(worker):
+    spec = gg.random_spec(11000129)
+    result = worker.run(spec)
+    assert result["outcome"] == "ok", describe(spec, result)
