@@ -45,10 +45,14 @@ Differences from our simulator (liveness_simulator.cc) that remain:
 * Memory enters the MILP in MiB (bytes / 2**20, exact in floating point) and HiGHS
   accepts rows within its feasibility tolerance (1e-7 of a MiB, a fraction of a byte,
   for exact 0/1 values): the replay of the rounded schedule is what is checked.
-* Our planner places a clone right after its trigger (the last gradient-side input
-  of its first backward reader); in Checkmate's terms that is a recompute in the
-  stage of the next node, so every plan of ours is a Checkmate schedule. The
-  converse is not true: Checkmate may recompute anywhere, several times.
+* Our planner and verify stage run a plan in Grappler's topological order of the
+  output graph (breadth-first; grappler/simulate/execution_order.cc). A clone then
+  runs where that order puts it, and in Checkmate's terms it is a recompute in the
+  stage of the next original node. When a clone also delays an original node past
+  others (its backward reader waits for it), the plan runs in another order than
+  the table's, and is not exactly a Checkmate schedule on the MILP's stages (the
+  benchmark counts these cases). Checkmate may recompute anywhere, several times,
+  and orders each stage's recomputations freely.
 
 Every solution is checked by replay() (a plain-Python liveness simulation with the
 simulator's rules, run on the schedule itself, not on the MILP's U), and our
@@ -428,72 +432,89 @@ def base_steps(model):
     return milp_steps(model, [(t, [t]) for t in range(model.n)])
 
 
+def grappler_order(graph_def):
+    """Node names of `graph_def` in the order Grappler's ComputeTopologicalOrder gives
+    (grappler/simulate/execution_order.cc): nodes without fan-ins first, in node order,
+    then breadth-first, each node's fan-outs in increasing node order, a node entering
+    the queue when its last distinct fan-in (data or control) has run. The planner
+    simulates every plan in this order, and the verify stage sorts the output graph
+    with this function."""
+    names = [d.name for d in graph_def.node]
+    index = {name: i for i, name in enumerate(names)}
+    fanins = []
+    for d in graph_def.node:
+        producers = {index[inp.lstrip("^").split(":")[0]] for inp in d.input}
+        fanins.append(sorted(producers))
+    fanouts = [[] for _ in names]
+    for i, producers in enumerate(fanins):
+        for p in producers:
+            fanouts[p].append(i)
+    if any(d.op in ("Merge", "RefMerge", "NextIteration") for d in graph_def.node):
+        raise ValueError("grappler_order: loops are not supported")
+    ready = [0] * len(names)
+    order = [i for i in range(len(names)) if not fanins[i]]
+    front = 0
+    while front < len(order):
+        for nxt in fanouts[order[front]]:
+            ready[nxt] += 1
+            if ready[nxt] == len(fanins[nxt]):
+                order.append(nxt)
+        front += 1
+    if len(order) != len(names):
+        raise ValueError("grappler_order: the graph has a cycle")
+    return [names[i] for i in order]
+
+
+@dataclasses.dataclass
+class OurSchedule:
+    steps: list           # Steps of the output graph in Grappler's order
+    fixed: set            # {(stage t, stage i)}: the clones as Checkmate's R entries
+    clone_seconds: float  # compute of all clones
+    base_order_kept: bool  # the original nodes run in the table's order
+    checkmate_exact: bool  # ...and each stage's clones run in stage order, before it
+    clone_names: list     # clones in the order they run
+
+
 def our_schedule(model, graph_def, clone_prefix="TfMemOpt/Recompute/"):
-    """The steps of our planner's output graph, run as the planner simulates it: the
-    table's order, each clone right after its trigger (its control input) or after its
-    latest clone input (recompute_pass.cc). Reads follow the output graph's wiring.
-    Returns (steps, {(stage t, stage i)}: the recomputations as Checkmate entries,
-    ignoring clones of nodes that own no value, seconds of all clones)."""
+    """Our planner's output graph, run as the planner and the verify stage simulate it:
+    in Grappler's topological order of the output graph (grappler_order). Reads follow
+    the output graph's wiring.
+
+    In Checkmate's terms, a clone belongs to the stage of the next original node that
+    owns a stage. That is exact when the original nodes keep the table's order
+    (base_order_kept); a clone can delay the backward reader it feeds past other
+    nodes, and then the plan runs in another order than the MILP's (fixed is still
+    given, on the table's stages, but only as an approximation)."""
     table = model.table
     nodes = table["nodes"]
     index = {node["name"]: i for i, node in enumerate(nodes)}
-    position = {n: p for p, n in enumerate(table["order"])}
     defs = {node.name: node for node in graph_def.node}
-    clones = [d for d in graph_def.node if d.name.startswith(clone_prefix)]
-    original = {d.name: index[d.name[len(clone_prefix):]] for d in clones}
+    original = {d.name: index[d.name[len(clone_prefix):]]
+                for d in graph_def.node if d.name.startswith(clone_prefix)}
+    missing = [d.name for d in graph_def.node
+               if d.name not in original and d.name not in index]
+    if missing:
+        raise ValueError(f"our_schedule: nodes outside the table: {missing[:5]}")
+    sequence = grappler_order(graph_def)
 
     def producer(name):
-        name = name.lstrip("^")
-        base, _, port = name.partition(":")
+        base, _, port = name.lstrip("^").partition(":")
         return base, int(port) if port else 0
-
-    key = {}
-
-    def key_of(name):  # position of the base node the clone runs right after
-        if name in key:
-            return key[name]
-        k = -1
-        for inp in defs[name].input:
-            p, _ = producer(inp)
-            if p in original:
-                k = max(k, key_of(p))
-            elif inp.startswith("^"):
-                k = max(k, position[index[p]])
-        if k < 0:
-            raise ValueError(f"our_schedule: clone {name} has no trigger")
-        key[name] = k
-        return k
-
-    after = {}
-    for d in clones:
-        after.setdefault(key_of(d.name), []).append(d.name)
-    for names in after.values():
-        names.sort(key=lambda c: position[original[c]])
-    sequence = []
-    for p, n in enumerate(table["order"]):
-        sequence.append(nodes[n]["name"])
-        sequence.extend(after.get(p, []))
 
     tensors, buffers = table["tensors"], table["buffers"]
     value_of_buffer = {bf: v for v, bf in enumerate(model.value_buffer)}
     instance_of = {}  # (graph node name, port) -> instance or None
     steps = []
-    fixed = set()
     clone_seconds = 0.0
-    stage_after = {}  # base position -> the stage whose recomputations run there
-    next_stage = model.n
-    for p in range(len(table["order"]) - 1, -1, -1):
-        stage_after[p] = next_stage
-        s = model.stage_of_node.get(table["order"][p])
-        if s is not None:
-            next_stage = s
+    pending = []  # stages of clones waiting for the next original stage
+    fixed = set()
+    base_stages = []
+    exact = True
     for name in sequence:
         base = original.get(name, index.get(name))
         node = nodes[base]
         inputs = [i for i in defs[name].input if not i.startswith("^")]
-        read_instances = []
-        for inp in inputs:
-            read_instances.append(instance_of.get(producer(inp)))
+        read_instances = [instance_of.get(producer(inp)) for inp in inputs]
         outputs = []
         for t in node["outputs"]:
             tensor = tensors[t]
@@ -508,14 +529,22 @@ def our_schedule(model, graph_def, clone_prefix="TfMemOpt/Recompute/"):
             else:  # forwarded: the instance of the input on the same buffer
                 slot = [tensors[u]["buffer"] for u in node["inputs"]].index(b)
                 instance_of[(name, tensor["port"])] = read_instances[slot]
+        stage = model.stage_of_node.get(base)
         if name in original:
             clone_seconds += node["compute_seconds"]
-            stage = model.stage_of_node.get(base)
             if stage is not None and model.owned[stage]:
-                fixed.add((stage_after[key[name]], stage))
-        stage = model.stage_of_node.get(base)
+                pending.append(stage)
+        elif stage is not None:
+            base_stages.append(stage)
+            exact = exact and pending == sorted(set(pending)) and all(i < stage for i in pending)
+            fixed.update((stage, i) for i in pending if i < stage)
+            pending = []
         if stage is None:
             continue
         reads = [inst for inst in read_instances if inst is not None]
         steps.append(Step(stage, outputs, reads))
-    return steps, fixed, clone_seconds
+    if pending:
+        raise ValueError("our_schedule: clones run after the last original node")
+    kept = base_stages == list(range(model.n))
+    return OurSchedule(steps, fixed, clone_seconds, kept, kept and exact,
+                       [n for n in sequence if n in original])
