@@ -50,7 +50,7 @@ optimum is the best fixed-order schedule, not a lower bound: ratios below 1 then
 come from the reordering ("below_optimum", "reordered"; the *_same_order keys count
 only plans that keep the order).
 
-Usage: python benchmarks/optimality.py [--json] [--time-limit 60] [--only NAME ...]
+Usage: python benchmarks/optimality.py [--json] [--time-limit 30] [--only NAME ...]
 --json prints one JSON object as the last line:
 {"cases": int, "proven_optimal": int, "max_ratio": float, "mean_ratio": float, ...}.
 """
@@ -507,7 +507,7 @@ def summarize(cases, checks):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per MILP solve")
+    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per MILP solve")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.2, 0.5, 0.8])
     parser.add_argument("--only", nargs="+", default=None, help="graph names")
     parser.add_argument("--details", default=None, help="write every case as JSON here")
