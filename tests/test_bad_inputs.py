@@ -101,6 +101,9 @@ def cli_files(directory):
     with graph.as_default():
         tf.identity(tf.constant(1.0, name="x"), name="node")
     (directory / "graph.pb").write_bytes(graph.as_graph_def().SerializeToString())
+    (directory / "step.py").write_text("def make_step(size):\n    return lambda: None\n")
+    (directory / "benchmarks").mkdir()
+    (directory / "benchmarks" / "toy.py").write_text('"""A toy benchmark."""\n')
 
 
 NO_MATPLOTLIB = "[no matplotlib] "

@@ -160,7 +160,8 @@ for name in sys.argv[1:]:
     peak = tfmemopt.analyze(step, *args_of(name, step, 0), mode="ANALYZE_ONLY")
     before = peak.predicted_peak_bytes["before"]["CPU:0"]
     tfmemopt.clear_reports()
-    tfmemopt.enable(budget=int(0.6 * before), min_tensor_bytes=4096, log_level=0)
+    tfmemopt.enable(budget=int(0.6 * before), min_tensor_bytes=4096, enable_swap=False,
+                    log_level=0)
     losses, weights, graphs, _ = train(name, collect=True)
     tfmemopt.disable()
     reports = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")]

@@ -201,9 +201,10 @@ def test_cli_maxbatch_bad_script_exits_2_with_one_line(capsys, tmp_path):
 
 def test_deep_resnet_quick_json_is_the_last_line(tmp_path):
     plot = tmp_path / "peak_vs_depth.png"
+    # Through the CLI, as a user runs it: `tfmemopt bench deep_resnet ARGS...`.
     proc = subprocess.run(
-        [sys.executable, os.path.join(BENCHMARKS, "deep_resnet.py"), "--quick", "--json",
-         "--plot", str(plot)], capture_output=True, text=True, timeout=600)
+        [sys.executable, "-m", "tfmemopt", "bench", "--dir", BENCHMARKS, "deep_resnet",
+         "--quick", "--json", "--plot", str(plot)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     searches = data["searches"]

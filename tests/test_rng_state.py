@@ -138,12 +138,13 @@ for name in sys.argv[1:]:
     step, _ = MODELS[name]()
     peak = tfmemopt.analyze(step, mode="ANALYZE_ONLY").predicted_peak_bytes["before"]["CPU:0"]
     tfmemopt.clear_reports()
-    tfmemopt.enable(budget=int(0.6 * peak), min_tensor_bytes=4096, log_level=0)
+    tfmemopt.enable(budget=int(0.6 * peak), min_tensor_bytes=4096, enable_swap=False,
+                    log_level=0)
     losses, state, graph = train(name, collect=True)
     tfmemopt.disable()
     (report,) = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")]
     nodes = {n.name: n for n in graph.node}
-    clones = [n for n in graph.node if n.name.startswith("TfMemOpt/")]
+    clones = [n for n in graph.node if n.name.startswith("TfMemOpt/Recompute/")]
     out[name] = {
         "base_losses": base_losses, "losses": losses,
         "state_equal": [a.tobytes() == b.tobytes() for a, b in zip(base_state, state)],

@@ -23,7 +23,7 @@ import json, os, sys
 import numpy as np
 import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(1)
-BATCH = 256
+BATCH = 1024  # activations (4 MiB each) outweigh the optimizer's temporaries
 rng = np.random.default_rng(0)
 X = rng.standard_normal((4 * BATCH, 256), dtype=np.float32)
 Y = rng.integers(0, 10, size=(4 * BATCH,), dtype=np.int32)
@@ -72,7 +72,7 @@ model.compile(optimizer=tf.keras.optimizers.Adam(1e-3),
               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 peak = tfmemopt.analyze(model, x=X[:BATCH], y=Y[:BATCH], mode="ANALYZE_ONLY")
 budget = int(0.7 * peak.predicted_peak_bytes["before"]["CPU:0"])
-tfmemopt.enable(budget=budget, assume_batch_size=BATCH, log_level=0)
+tfmemopt.enable(budget=budget, assume_batch_size=BATCH, enable_swap=False, log_level=0)
 losses = fit(model, epochs=2)
 trainer = Trainer(model)
 step_losses = [float(trainer.train_step(tf.constant(X[:BATCH]), tf.constant(Y[:BATCH])))]
@@ -91,7 +91,8 @@ CONTINUE = COMMON + r'''
 in_dir, use_tfmemopt = sys.argv[1], sys.argv[2] == "with"
 if use_tfmemopt:
     import tfmemopt
-    tfmemopt.enable(budget=int(sys.argv[3]), assume_batch_size=BATCH, log_level=0)
+    tfmemopt.enable(budget=int(sys.argv[3]), assume_batch_size=BATCH, enable_swap=False,
+                    log_level=0)
 out = {}
 keras_model = tf.keras.models.load_model(os.path.join(in_dir, "m.keras"))
 out["keras_predictions"] = keras_model(X_TEST, training=False).numpy().tolist()

@@ -1,4 +1,4 @@
-"""The tfmemopt command line: `tfmemopt demo`, `tfmemopt analyze`, `tfmemopt maxbatch`.
+"""The tfmemopt command line: `tfmemopt demo`, `analyze`, `maxbatch` and `bench`.
 
 Exit codes: 0 success, 1 the job ran but failed, 2 bad usage or input.
 """
@@ -353,6 +353,47 @@ def _maxbatch(args):
     return 1 if failed else 0
 
 
+# Modules of benchmarks/ that other benchmarks import: not benchmarks themselves.
+_BENCH_HELPERS = ("models", "export_train_step", "trace_step_memory")
+
+
+def _benchmarks(directory):
+    """{name: first line of its docstring} of the benchmarks in `directory`."""
+    import ast
+
+    found = {}
+    for entry in sorted(os.listdir(directory)):
+        name, ext = os.path.splitext(entry)
+        if ext != ".py" or name.startswith("_") or name in _BENCH_HELPERS:
+            continue
+        with open(os.path.join(directory, entry), encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        found[name] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return found
+
+
+def _bench(args):
+    import subprocess
+
+    directory = os.path.abspath(args.dir)
+    if not os.path.isdir(directory):
+        raise _InputError(f"--dir {args.dir}: no such directory; expected the benchmarks/ "
+                          f"folder of a tfmemopt clone (run from the clone, or pass --dir)")
+    found = _benchmarks(directory)
+    if args.list or args.name is None:
+        width = max(map(len, found), default=0)
+        for name, summary in found.items():
+            print(f"{name:<{width}}  {summary}")
+        return 0
+    if args.name not in found:
+        close = difflib.get_close_matches(args.name, found, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise _InputError(f"no benchmark {args.name!r} in {args.dir}{hint}; allowed: "
+                          f"{', '.join(found)}")
+    command = [sys.executable, os.path.join(directory, f"{args.name}.py"), *args.args]
+    return subprocess.run(command, check=False).returncode
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="tfmemopt",
@@ -433,6 +474,20 @@ def build_parser():
     maxbatch.add_argument("--json", action="store_true",
                           help="also print both searches as one JSON line, last")
     maxbatch.set_defaults(run=_maxbatch)
+    bench = sub.add_parser(
+        "bench", help="run one of the benchmarks (tfmemopt bench NAME [ARGS...])",
+        description="Run benchmarks/NAME.py of a tfmemopt clone in a fresh interpreter, "
+                    "passing ARGS through (for example --json, --quick or --help). Without "
+                    "NAME, or with --list, list the benchmarks. The benchmarks are not part "
+                    "of the installed package: run this from a clone, or pass --dir.",
+        epilog="Exit codes: the benchmark's own (0 success), 2 bad usage or input.")
+    bench.add_argument("--dir", default="benchmarks",
+                       help="folder with the benchmarks (default: ./benchmarks)")
+    bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    bench.add_argument("name", metavar="NAME", nargs="?", help="the benchmark to run")
+    bench.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER,
+                       help="arguments for the benchmark")
+    bench.set_defaults(run=_bench)
     return parser
 
 
