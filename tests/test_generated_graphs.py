@@ -154,3 +154,14 @@ def test_the_final_graph_of_a_plan_that_fits_is_within_the_budget(worker):
     spec = gg.random_spec(310)
     result = worker.run(spec)
     assert result["outcome"] == "ok", describe(spec, result)
+
+
+# Swap nodes were named after the tensor with ':' spelled '_', so ShapeN_1:1 became
+# ShapeN_1_1, the name of another node (seed 5: a SwapOut whose name pointed at the
+# wrong original; seed 56: two swap nodes with one name, which verify rejected). They
+# are now named after the producer and, past port 0, `/output_K`.
+@pytest.mark.parametrize("seed", [5, 56])
+def test_swap_nodes_of_multi_output_ops_have_unique_names(worker, seed):
+    spec = gg.random_spec(seed)
+    result = worker.run(spec)
+    assert result["outcome"] == "ok", describe(spec, result)
