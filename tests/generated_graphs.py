@@ -109,6 +109,13 @@ def _image_block(c, kind):
         block.update(filters=c.integer(1, 12), kernel=c.choice([1, 3]), stride=c.choice([1, 2]),
                      padding=c.choice(["SAME", "VALID"]), act=c.choice(ACTIVATIONS),
                      share=c.boolean())
+        if block["kernel"] == 1 and block["stride"] == 2:
+            # TF 2.21's oneDNN kernels corrupt the heap or segfault on the backward
+            # pass of a 1x1 stride-2 convolution, without tfmemopt too (stress cases
+            # 268 and 917, seed 0; 268 also in a process that never loads tfmemopt):
+            # such a case tests TF, not the pass. Drawn, then changed, so that every
+            # other case stays what it was.
+            block["stride"] = 1
     elif kind == "pool":
         block.update(how=c.choice(["max", "avg"]))
     elif kind == "conv_branch":
