@@ -110,6 +110,13 @@ def _image_block(c, kind):
         block.update(filters=c.integer(1, 12), kernel=c.choice([1, 3]), stride=c.choice([1, 2]),
                      padding=c.choice(["SAME", "VALID"]), act=c.choice(ACTIVATIONS),
                      share=c.boolean())
+        if block["kernel"] == 1 and block["stride"] == 2:
+            # TF 2.21's oneDNN kernels corrupt the heap or segfault on the backward
+            # pass of a 1x1 stride-2 convolution, without tfmemopt too (stress cases
+            # 268 and 917, seed 0; 268 also in a process that never loads tfmemopt):
+            # such a case tests TF, not the pass. Drawn, then changed, so that every
+            # other case stays what it was.
+            block["stride"] = 1
     elif kind == "pool":
         block.update(how=c.choice(["max", "avg"]))
     elif kind == "conv_branch":
@@ -605,8 +612,14 @@ def run_case(spec):
                               f"({len(removed)})")
         if report2 is not None and report2.graph_changed:
             violations.append(f"{where}: a second pass reports graph_changed")
-        simulated = (report2.predicted_peak_bytes["before"]
-                     if report2 is not None and added_here else None)
+        # The independent check of the budget claim analyzes this output as it is:
+        # the pass alone, analysis only. (The second pass above, through the whole
+        # meta-optimizer, sees the output after TF's passes have rewritten it again,
+        # which is not the graph the claim is about.)
+        simulated = None
+        if added_here:
+            _, fresh = _optimize(again_meta, {**fields, "mode": "ANALYZE_ONLY"}, alone=True)
+            simulated = fresh.predicted_peak_bytes["before"] if fresh is not None else None
         violations += _budget_problems(report, fields, where, simulated)
     result["details"]["clones"] = len(clones)
 

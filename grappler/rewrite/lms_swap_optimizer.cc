@@ -6,7 +6,6 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
 #include "grappler/ops/swap_ops.h"
 #include "grappler/rewrite/recompute_pass.h"
 #include "tensorflow/core/framework/attr_value.pb.h"
@@ -155,6 +154,7 @@ absl::Status SwapInPlace(TensorTable* table_ptr, const std::vector<int>& order,
 
   // Then the edit.
   std::vector<std::vector<int>> after(n);  // new nodes to run right after each node
+  absl::flat_hash_set<std::string> used_names;
   for (const Planned& swap : planned) {
     const int t = swap.tensor;
     const TensorInfo tensor = table.tensors[t];  // a copy: the tables grow below
@@ -164,7 +164,13 @@ absl::Status SwapInPlace(TensorTable* table_ptr, const std::vector<int>& order,
     const std::string short_device = table.nodes[producer_node].device;
     const bool gpu = OnGpu(device);
     const double copy = static_cast<double>(tensor.bytes) / options.bandwidth_bytes_per_sec;
-    const std::string base = absl::StrReplaceAll(table.TensorName(t), {{":", "_"}});
+    // Named after the producer (and its output port, when not 0); "X:1" spelled "X_1"
+    // could meet a node named X_1, so a name already taken gets a counter.
+    const std::string stem = tensor.port == 0
+                                 ? producer_name
+                                 : absl::StrCat(producer_name, "/output_", tensor.port);
+    std::string base = stem;
+    for (int k = 1; !used_names.insert(base).second; ++k) base = absl::StrCat(stem, "_", k);
 
     rewrite->new_defs.push_back(SwapNode(absl::StrCat(kSwapOutScope, base),
                                          TensorRef(producer_name, tensor.port), gpu,

@@ -332,7 +332,7 @@ class Report:
         ax.set_xlabel("schedule step (nodes in the simulated order)")
         ax.set_ylabel(f"live memory ({unit})")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(styles) + 2,
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4,
                   fontsize=8, frameon=False)
 
     def _png(self, title=None):

@@ -1,0 +1,162 @@
+"""The Checkmate MILP of benchmarks/optimality.py: its formulation on a hand-made
+table whose optimum is known by hand, and our recompute planner measured against it
+on tiny train steps (the optimum is a lower bound on the same memory model)."""
+
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import checkmate_milp as cm  # noqa: E402
+
+MIB = 1 << 20
+
+
+def chain_table():
+    """P -> A -> B -> L forward, G1(B, L) -> G2(G1, A) -> G3(G2, P) backward.
+
+    Unplanned, G1 runs with P, A, B, L and its output live: 13 MiB + 4 B. Dropping A
+    after B and recomputing it (cost 1) for G2 leaves G2's working set (P, L, G1, A,
+    G2: 10 MiB + 4 B) as the peak; nothing goes lower.
+    """
+    nodes, tensors, buffers = [], [], []
+
+    def node(name, inputs, size, backward=False, cost=0.1, recomputable=""):
+        n = len(nodes)
+        t = len(tensors)
+        tensors.append({"node": n, "port": 0, "bytes": size, "buffer": len(buffers),
+                        "role": "gradient" if backward else "activation"})
+        buffers.append({"owner": t, "bytes": size, "host_bytes": 0, "persistent": False,
+                        "device": "CPU:0"})
+        nodes.append({"name": name, "op": name, "device": "CPU:0", "backward": backward,
+                      "stateful": False, "compute_seconds": cost, "temp_bytes": 0,
+                      "inputs": inputs, "outputs": [t], "control_inputs": [],
+                      "recomputable": "backward" if backward else recomputable})
+        return t
+
+    p = node("P", [], MIB, recomputable="input_or_structural")
+    a = node("A", [p], 4 * MIB, cost=1.0)
+    b = node("B", [a], 4 * MIB, cost=10.0)
+    loss = node("L", [b], 4, cost=0.5)
+    g1 = node("G1", [b, loss], 4 * MIB, backward=True)
+    g2 = node("G2", [g1, a], MIB, backward=True)
+    node("G3", [g2, p], MIB, backward=True)
+    return {"nodes": nodes, "tensors": tensors, "buffers": buffers,
+            "order": list(range(len(nodes))), "fetch": [loss], "devices": ["CPU:0"]}
+
+
+def test_replay_of_the_unplanned_order_follows_the_simulator_rules():
+    model = cm.build_model(chain_table())
+    assert model.allocating_nodes == 7
+    assert cm.replay(model, cm.base_steps(model)) == 13 * MIB + 4
+
+
+def test_milp_recomputes_the_cheap_producer_in_the_stage_that_needs_it():
+    model = cm.build_model(chain_table())
+    solution = cm.solve(model, 11 * MIB, time_limit=30)
+    assert solution.status == "optimal"
+    assert solution.added_seconds == pytest.approx(1.0)
+    recomputed = [(model.name(t), [model.name(i) for i in run if i != t])
+                  for t, run in solution.schedule if len(run) > 1]
+    assert recomputed == [("G2", ["A"])]
+    assert cm.replay(model, cm.milp_steps(model, solution.schedule)) == 10 * MIB + 4
+
+
+def test_milp_costs_nothing_when_the_unplanned_order_fits():
+    model = cm.build_model(chain_table())
+    solution = cm.solve(model, 14 * MIB, time_limit=30)
+    assert solution.status == "optimal"
+    assert solution.added_seconds == 0
+
+
+def test_milp_proves_a_budget_below_the_working_set_infeasible():
+    model = cm.build_model(chain_table())
+    assert cm.solve(model, 10 * MIB - 1, time_limit=30).status == "infeasible"
+    lowest = cm.solve(model, minimize_peak=True, time_limit=30)
+    assert lowest.status == "optimal"
+    assert lowest.peak_bytes == 10 * MIB + 4
+
+
+def test_a_fixed_schedule_outside_the_decision_space_is_refused():
+    model = cm.build_model(chain_table())
+    # P is a graph input: never recomputed.
+    with pytest.raises(ValueError, match="outside the decision space"):
+        cm.solve(model, 11 * MIB, fixed_recompute={(4, 0)})
+    # Recomputing A for G1 does not lower G1's step: infeasible at 11 MiB.
+    assert cm.solve(model, 11 * MIB, fixed_recompute={(4, 1)}).status == "infeasible"
+    assert cm.solve(model, 11 * MIB, fixed_recompute={(5, 1)}).status == "optimal"
+
+
+def test_grappler_order_is_breadth_first_in_node_order():
+    from tensorflow.core.framework import graph_pb2
+
+    graph = graph_pb2.GraphDef()
+    for name, inputs in [("a", []), ("d", ["b", "^c"]), ("b", ["a"]), ("c", ["a:1"]),
+                         ("e", ["a"])]:
+        node = graph.node.add()
+        node.name, node.op = name, "NoOp"
+        node.input.extend(inputs)
+    # a's fan-outs in node order: b (2), c (3), e (4); d (1) waits for b and c.
+    assert cm.grappler_order(graph) == ["a", "b", "c", "e", "d"]
+    graph.node[0].input.append("^d")
+    with pytest.raises(ValueError, match="cycle"):
+        cm.grappler_order(graph)
+
+
+@pytest.fixture(scope="module")
+def optimality():
+    import optimality as module
+    return module
+
+
+@pytest.fixture(scope="module")
+def mlp3_relu(optimality):
+    metagraph = optimality.load("mlp3_relu")
+    return optimality.evaluate("mlp3_relu", metagraph, [0.5], time_limit=30,
+                               log=lambda *_: None)
+
+
+def test_replays_agree_with_the_planner_and_the_verify_stage(optimality, mlp3_relu):
+    graph, cases, checks = mlp3_relu
+    # The unplanned order replays to peak_before_bytes, our output graph (in
+    # Grappler's order) to the planner's and the verify stage's peaks, our clones
+    # cost what the report says, and the MILP's schedule fits its budget.
+    assert checks == []
+    assert graph["nodes"] <= optimality.MAX_NODES
+    assert graph["floor_status"] == "optimal"
+    assert graph["floor"] <= graph["once_floor"] <= graph["ours_floor"]
+    (case,) = cases
+    assert case["floor"] < case["budget"] < case["before"]
+    assert case["ours_replay"] == case["ours_peak"] == case["ours_verify_peak"]
+    assert case["milp_status"] == "optimal"
+    assert case["milp_replay"] <= case["budget"]
+
+
+def test_our_plan_matches_the_optimum_on_a_three_layer_mlp(mlp3_relu):
+    _, (case,), _ = mlp3_relu
+    # Both recompute the first layer (MatMul + ReLU) once, for the backward pass.
+    assert case["ours_fits"], case
+    assert case["milp_recomputed"] == [["matmul", "Relu"]]
+    assert sorted(case["ours_recomputed"]) == ["Relu", "matmul"]
+    assert case["ratio"] == pytest.approx(1.0)
+
+
+def test_quick_run_prints_the_summary_as_its_last_line():
+    import json
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "optimality.py"), "--json",
+         "--only", "mlp3_wide_narrow", "--time-limit", "30"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["cases"] == 3 and summary["graphs"] == 1
+    assert summary["proven_optimal"] == 3
+    assert summary["check_failures"] == 0
+    assert summary["max_nodes"] <= 40
+    # Ratios only over proven optima where our plan fits; misses are listed apart.
+    assert summary["ratios_counted"] + summary["missed_budget"] == summary["proven_optimal"]
+    assert "proven optimality" in out
