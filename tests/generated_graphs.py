@@ -27,7 +27,6 @@ reported as a crash.
 import json
 import os
 import random
-import re
 import select
 import subprocess
 import sys
@@ -410,16 +409,12 @@ PREFIX = "TfMemOpt/"
 
 def original_of(name, names):
     """The node a `TfMemOpt/<Mechanism>/<original>[/...]` node stands for: the
-    longest leading part of <original>... that names a node of the graph, or None.
-    A swap of output k > 0 names the tensor `<original>_k` (`:` cannot be in a name)."""
+    longest leading part of <original>... that names a node of the graph, or None."""
     parts = name.split("/")[2:]
     for end in range(len(parts), 0, -1):
         candidate = "/".join(parts[:end])
         if candidate in names:
             return candidate
-        port = re.fullmatch(r"(.+)_[1-9][0-9]*", candidate)
-        if name.startswith("TfMemOpt/Swap") and port and port.group(1) in names:
-            return port.group(1)
     return None
 
 
