@@ -12,7 +12,8 @@ spec that replays it exactly.
   * through Grappler's own entry point (tf_optimizer.OptimizeGraph) with tfmemopt:
     the output is a valid graph, nothing stateful was cloned, every `TfMemOpt/`
     node's original exists, and a second pass over the output (a fresh pass)
-    adds nothing; when the report says the plan fits, the fresh pass's own
+    adds nothing (through the whole meta-optimizer: nothing to an output that
+    holds our nodes already); when the report says the plan fits, a fresh
     simulation of the output is within the budget too;
   * the step trains again with tfmemopt.enable() (the graph TF really runs, taken
     from the runtime's post-optimization function graphs, is checked the same way),
@@ -599,13 +600,18 @@ def run_case(spec):
         again_meta.CopyFrom(metagraph)
         again_meta.graph_def.CopyFrom(graph)
         again, report2 = _optimize(again_meta, fields, alone=alone)
-        if tfmemopt_nodes(again) != added_here:
+        # Through the whole meta-optimizer, TF's own passes rewrite the output again
+        # before ours sees it (they are not idempotent: seed 82's peak drops from
+        # 231,036 to 207,940 bytes), so a graph the first trip left alone is a new
+        # graph there and may be planned. What must hold is that nothing is added
+        # twice: a graph holding our nodes gets no more, and keeps them.
+        if (alone or added_here) and tfmemopt_nodes(again) != added_here:
             added = sorted(set(tfmemopt_nodes(again)) - set(added_here))
             removed = sorted(set(added_here) - set(tfmemopt_nodes(again)))
             violations.append(f"{where}: a second pass changed the TfMemOpt nodes: added "
                               f"{added[:5]} ({len(added)}), removed {removed[:5]} "
                               f"({len(removed)})")
-        if report2 is not None and report2.graph_changed:
+        if (alone or added_here) and report2 is not None and report2.graph_changed:
             violations.append(f"{where}: a second pass reports graph_changed")
         # The independent check of the budget claim analyzes this output as it is:
         # the pass alone, analysis only. (The second pass above, through the whole

@@ -855,8 +855,12 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
         if (lowers(lower)) best = std::move(lower);
       }
       if (!lowers(best)) {
-        plan->note = "no plan lowers the predicted peak (it is set by what cannot be "
-                     "recomputed or swapped); the graph is kept as it is";
+        plan->note = fixed.recompute.empty()
+                         ? "no plan lowers the predicted peak (it is set by what cannot be "
+                           "recomputed or swapped); the graph is kept as it is"
+                         : absl::StrCat("no swap lowers the predicted peak below what the ",
+                                        RecomputePolicyName(options.policy),
+                                        " plan reaches; that plan is applied as told");
         best = std::move(none);
       }
     }

@@ -496,7 +496,11 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
     successors[from].push_back(to);
     ++waiting[to];
   };
-  for (int n = 0; n < num_nodes; ++n) {
+  // The meta-optimizer ends by sorting the graph topologically (Grappler's
+  // TopologicalSort), so the graph TF runs numbers its nodes in `topo`'s order,
+  // whatever order the table's GraphDef had: node ids, out-edge lists and every tie
+  // below follow that numbering.
+  for (int n : topo) {
     for (int t : table.nodes[n].inputs) add_edge(table.tensors[t].node, n);
     for (int c : table.nodes[n].control_inputs) add_edge(c, n);
   }
@@ -530,23 +534,24 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
     if (to_update[a] != to_update[b]) return to_update[a] > to_update[b];
     const int64_t bytes_a = OutputBytes(table, a), bytes_b = OutputBytes(table, b);
     if (bytes_a != bytes_b) return bytes_a < bytes_b;
-    return a > b;
+    return topo_position[a] > topo_position[b];
   };
 
   // Roots: the caller's inputs first (the executor's graph creates a function's
-  // arguments first, in argument order), then the others in graph order.
+  // arguments first, in argument order), then the others in the sorted graph's order.
   std::vector<std::pair<int64_t, int>> roots;
-  for (int n = 0; n < num_nodes; ++n) {
+  for (int n : topo) {
     if (waiting[n] != 0) continue;
     const tensorflow::NodeDef& def = *table.nodes[n].def;
-    int64_t key = 2 * static_cast<int64_t>(num_nodes) + n;
+    const int id = topo_position[n];
+    int64_t key = 2 * static_cast<int64_t>(num_nodes) + id;
     if (def.op() == "_Arg" && def.attr().count("index")) {
       key = def.attr().at("index").i();
     } else if (def.attr().count("_tfmemopt_arg_index")) {
       // A function's input in tfmemopt.analyze()'s graph (analysis.metagraph_of).
       key = def.attr().at("_tfmemopt_arg_index").i();
     } else if (def.op() == "Placeholder") {
-      key = num_nodes + n;
+      key = num_nodes + id;
     }
     roots.push_back({key, n});
   }
