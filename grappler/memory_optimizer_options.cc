@@ -187,7 +187,7 @@ const std::vector<std::string>& RecomputePolicyNames() {
 
 const std::vector<std::string>& FailStages() {
   static const auto* stages = new std::vector<std::string>{
-      "", "analyze", "simulate", "plan", "rewrite", "verify", "report"};
+      "", "analyze", "simulate", "schedule", "plan", "rewrite", "verify", "report"};
   return *stages;
 }
 

@@ -14,6 +14,7 @@
 #include "grappler/analyze/control_flow.h"
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/plan/memory_planner.h"
+#include "grappler/plan/schedule.h"
 #include "grappler/report/memory_report.h"
 #include "grappler/report/table_export.h"
 #include "grappler/rewrite/recompute_pass.h"
@@ -194,6 +195,21 @@ MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
   return planner;
 }
 
+// Sets each device's budget; true if some device's peak before is over it.
+bool SetBudgets(const MemoryOptimizerOptions& options, std::vector<DeviceReport>* devices) {
+  bool over_budget = false;
+  for (DeviceReport& device : *devices) {
+    if (options.budget_bytes > 0) {
+      device.budget_bytes = options.budget_bytes;
+    } else if (device.memory_bytes > 0) {
+      device.budget_bytes =
+          static_cast<int64_t>(options.budget_fraction * static_cast<double>(device.memory_bytes));
+    }
+    over_budget |= device.budget_bytes > 0 && device.peak_before_bytes > device.budget_bytes;
+  }
+  return over_budget;
+}
+
 absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster,
                          const GrapplerItem& item, tensorflow::GraphDef* output,
                          MemoryReport* report, StageRunner* stages) {
@@ -240,24 +256,64 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   }
   for (const NodeInfo& node : table.nodes) report->recompute.step_seconds += node.compute_seconds;
 
-  // Plan. A graph that already holds our nodes is our own output, seen again by a
-  // later meta-optimizer iteration: it is only analyzed (idempotence).
+  // A graph that already holds our nodes (or our scheduling edges) is our own
+  // output, seen again by a later meta-optimizer iteration: it is only analyzed
+  // (idempotence).
+  const bool rewritten_before = HasTfMemOptNodes(item.graph) || HasScheduledNodes(item.graph);
+  bool over_budget = SetBudgets(options, &devices);
+
+  // Schedule: control edges that lower the peak before anything is swapped or
+  // recomputed. The planner then plans on the scheduled graph, analyzed afresh.
+  Schedule schedule;
+  GrapplerItem scheduled;
+  status = stages->Run("schedule", [&] {
+    if (!options.enable_schedule || options.mode == Mode::kAnalyzeOnly ||
+        options.mode == Mode::kManual || rewritten_before || !over_budget) {
+      return absl::OkStatus();
+    }
+    report->schedule.planned = true;
+    ScheduleOptions scheduling;
+    scheduling.simulation = SimulationFor(devices, table.devices);
+    absl::Status s = PlanSchedule(table, flow, before, scheduling, &schedule);
+    if (!s.ok()) return s;
+    report->schedule.simulations = schedule.simulations;
+    for (size_t d = 0; d < devices.size(); ++d) {
+      report->schedule.peak_before_bytes[devices[d].device] = schedule.peak_before[d];
+      report->schedule.peak_after_bytes[devices[d].device] = schedule.peak_after[d];
+    }
+    if (schedule.edges.empty()) return absl::OkStatus();
+    for (const auto& [from, to] : schedule.edges) {
+      report->schedule.edges.push_back({table.nodes[from].def->name(), table.nodes[to].def->name()});
+    }
+    s = ApplySchedule(table, schedule, output);
+    if (!s.ok()) return s;
+    scheduled = item.WithGraph(tensorflow::GraphDef(*output));
+    TensorTable scheduled_table;
+    s = BuildTensorTable(scheduled, options, &scheduled_table);
+    if (!s.ok()) return s;
+    table = std::move(scheduled_table);
+    s = TopologicalOrder(scheduled.graph, table, &order);
+    if (!s.ok()) return s;
+    s = AnalyzeControlFlow(scheduled.graph, table, order, &flow);
+    if (!s.ok()) return s;
+    // The scheduled graph, analyzed afresh, is what the budget is checked against.
+    SimulationResult now;
+    s = Simulate(table, order, SimulationFor(devices, table.devices), &now);
+    if (!s.ok()) return s;
+    over_budget = false;
+    for (size_t d = 0; d < devices.size(); ++d) {
+      over_budget |= devices[d].budget_bytes > 0 &&
+                     PredictedPeak(now.devices[d]) > devices[d].budget_bytes;
+    }
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+
+  // Plan.
   MemoryPlan plan;
   PlannedRewrite rewrite;
   SimulationResult planned;
-  const bool rewritten_before = HasTfMemOptNodes(item.graph);
   status = stages->Run("plan", [&] {
-    bool over_budget = false;
-    for (size_t d = 0; d < devices.size(); ++d) {
-      DeviceReport& device = devices[d];
-      if (options.budget_bytes > 0) {
-        device.budget_bytes = options.budget_bytes;
-      } else if (device.memory_bytes > 0) {
-        device.budget_bytes = static_cast<int64_t>(
-            options.budget_fraction * static_cast<double>(device.memory_bytes));
-      }
-      over_budget |= device.budget_bytes > 0 && device.peak_before_bytes > device.budget_bytes;
-    }
     const MemoryPlannerOptions planner = PlannerOptions(options, devices, table.devices);
     const bool hinted_recompute =
         planner.enable_recompute && planner.policy != RecomputePolicy::kAuto;
@@ -301,7 +357,8 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     return ApplyPlannedRewrite(rewrite, output);
   });
   if (!status.ok()) return status;
-  report->graph_changed = !rewrite.recompute.cloned.empty() || !rewrite.swap.swapped.empty();
+  report->graph_changed = !rewrite.recompute.cloned.empty() || !rewrite.swap.swapped.empty() ||
+                          !schedule.edges.empty();
 
   // Verify: the output is a valid graph, and analyzed afresh (its own shapes, its own
   // order) it peaks no higher than the original did.

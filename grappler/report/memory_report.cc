@@ -141,6 +141,22 @@ std::string MemoryReport::ToJson() const {
       << ",\"num_swap_in\":" << swap.num_swap_in << ",\"bytes_to_host\":" << swap.bytes_to_host
       << ",\"host_peak_bytes\":" << swap.host_peak_bytes
       << ",\"copy_seconds\":" << absl::StrFormat("%.9g", swap.copy_seconds)
+      << "},\"schedule\":{\"planned\":" << (schedule.planned ? "true" : "false")
+      << ",\"num_edges\":" << schedule.edges.size() << ",\"edges\":[";
+  for (size_t i = 0; i < schedule.edges.size(); ++i) {
+    out << (i ? "," : "") << "[" << Quote(schedule.edges[i].first) << ","
+        << Quote(schedule.edges[i].second) << "]";
+  }
+  out << "],\"peak_before_bytes\":{";
+  for (const auto* peaks : {&schedule.peak_before_bytes, &schedule.peak_after_bytes}) {
+    if (peaks == &schedule.peak_after_bytes) out << "},\"peak_after_bytes\":{";
+    bool first_device = true;
+    for (const auto& [device, bytes] : *peaks) {
+      out << (first_device ? "" : ",") << Quote(device) << ":" << bytes;
+      first_device = false;
+    }
+  }
+  out << "},\"simulations\":" << schedule.simulations
       << "},\"timeline\":" << TimelineJson(timeline)
       << ",\"timeline_before\":" << TimelineJson(timeline_before) << ",\"stage_seconds\":{";
   bool first = true;
@@ -187,6 +203,10 @@ std::string MemoryReport::Summary() const {
                                    " swap-in, ", FormatBytes(swap.bytes_to_host), " to host"));
     }
     absl::StrAppend(&line, ", added ", added, " ops (", absl::StrJoin(parts, ", "), ")");
+  }
+  if (!schedule.edges.empty()) {
+    absl::StrAppend(&line, ", scheduled with ", schedule.edges.size(), " control edge",
+                    schedule.edges.size() == 1 ? "" : "s");
   }
   absl::StrAppend(&line, ", predicted peak ", absl::StrJoin(peaks, ", "));
   if ((recompute.planned || swap.planned) && !(recompute.feasible && swap.feasible)) {

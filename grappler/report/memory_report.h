@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "grappler/analyze/tensor_table.h"
@@ -76,6 +77,16 @@ struct SwapReport {
   double copy_seconds = 0;      // predicted copy time, both directions
 };
 
+// What the scheduling stage did to a graph (before any swap or recompute).
+struct ScheduleReport {
+  bool planned = false;  // the stage ran
+  // Added control edges, as (waited for, waiting) node names.
+  std::vector<std::pair<std::string, std::string>> edges;
+  // Per device: predicted peak of the original order and of the scheduled one.
+  std::map<std::string, int64_t> peak_before_bytes, peak_after_bytes;
+  int simulations = 0;
+};
+
 struct MemoryReport {
   std::string graph_id;
   std::string status = "ok";  // "ok" | "fallback"
@@ -91,6 +102,7 @@ struct MemoryReport {
   std::vector<DeviceReport> devices;
   RecomputeReport recompute;
   SwapReport swap;
+  ScheduleReport schedule;
   // Timelines of the final graph and of the original one: per device, transient
   // bytes per step by role.
   std::vector<DeviceTimeline> timeline;

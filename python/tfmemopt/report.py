@@ -68,7 +68,10 @@ class Report:
     top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None),
     recompute (what recomputation did: policy, nodes, added_seconds, step_seconds,
     feasible, checkpoints, left_alone, ...), swap (tensors, num_swap_out, num_swap_in,
-    bytes_to_host, host_peak_bytes, copy_seconds), stage_seconds, total_seconds.
+    bytes_to_host, host_peak_bytes, copy_seconds), schedule (what the scheduling stage
+    did before any swap or recompute: planned, num_edges, edges as [waited for, waiting]
+    node names, peak_before_bytes and peak_after_bytes per device, simulations),
+    stage_seconds, total_seconds.
     """
 
     def __init__(self, data):
@@ -106,6 +109,7 @@ class Report:
             d["device"]: d.get("max_op_working_set_bytes", 0) for d in devices}
         self.recompute = data.get("recompute", {})
         self.swap = data.get("swap", {})
+        self.schedule = data.get("schedule", {})
         self.stage_seconds = data["stage_seconds"]
         self.total_seconds = data["total_seconds"]
 
@@ -125,6 +129,14 @@ class Report:
         Empty after a fallback; what was planned stays in ``swap["tensors"]``.
         """
         return list(self.swap.get("tensors", [])) if self.graph_changed else []
+
+    @property
+    def scheduling_edges(self):
+        """Control edges the scheduling stage added to the returned graph, as
+        (waited-for node, waiting node) name pairs. Empty after a fallback."""
+        if not self.graph_changed:
+            return []
+        return [tuple(edge) for edge in self.schedule.get("edges", [])]
 
     @property
     def estimated_recompute_overhead(self):
@@ -168,6 +180,7 @@ class Report:
                 f"  {self.unresolved_tensors} tensors have unknown dimensions, counted as 1"
                 f" (e.g. {examples}); set assume_batch_size to resolve the batch dimension"
             )
+        lines.extend(self._schedule_lines())
         lines.extend(self._recompute_lines())
         lines.extend(self._swap_lines())
         if self.top_tensors_at_peak:
@@ -176,6 +189,22 @@ class Report:
                 lines.append(f"    {format_bytes(t.bytes):>10}  {t.name} ({t.op}, {t.role}, {t.device})")
         lines.append(f"  pass time {self.total_seconds * 1000:.1f} ms")
         return "\n".join(lines)
+
+    def _schedule_lines(self):
+        sc = self.schedule
+        if not sc.get("planned"):
+            return []
+        peaks = ", ".join(
+            f"{device or '(unplaced)'} {format_bytes(before)} -> "
+            f"{format_bytes(sc['peak_after_bytes'].get(device, before))}"
+            for device, before in sorted(sc.get("peak_before_bytes", {}).items()))
+        lines = [f"  schedule: {sc['num_edges']} control edges added, predicted peak {peaks}, "
+                 f"{sc['simulations']} orders simulated"]
+        for before, after in sc.get("edges", [])[:5]:
+            lines.append(f"    {after} waits for {before}")
+        if len(sc.get("edges", [])) > 5:
+            lines.append("    ...")
+        return lines
 
     def _recompute_lines(self):
         rc = self.recompute
