@@ -20,7 +20,8 @@ Budgets: for each graph, the lowest peak the MILP can reach (solved by the MILP 
 the peak as objective: `floor`) and the unplanned peak (`before`, the simulator's);
 the budgets are floor + f * (before - floor) for f in --fractions (0.2, 0.5, 0.8).
 
-Each case: our pass (mode AUTO, recompute only: enable_swap=False, min_tensor_bytes=0
+Each case: our pass (mode AUTO, recompute only: enable_swap=False, enable_schedule=False
+(Checkmate fixes the order; no scheduling edges either), min_tensor_bytes=0
 so that no tensor is too small to consider, the same decision space as the MILP's)
 and the Checkmate MILP (benchmarks/checkmate_milp.py, its docstring states how its
 memory model matches the simulator's), solved by scipy.optimize.milp (HiGHS) with
@@ -302,7 +303,7 @@ def run_pass(metagraph_bytes, **fields):
     import tfmemopt
     from tensorflow.core.framework import graph_pb2
 
-    config = tfmemopt.make_config(log_level=0, enable_swap=False, min_tensor_bytes=0, **fields)
+    config = tfmemopt.make_config(log_level=0, enable_swap=False, enable_schedule=False, min_tensor_bytes=0, **fields)
     entry = tfmemopt.config.custom_optimizer_entry(config).SerializeToString()
     error, ok, report, graph_bytes, table = tfmemopt._ext.run_pass(
         metagraph_bytes, entry, export_table=True)
