@@ -274,6 +274,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->schedule.planned = true;
     ScheduleOptions scheduling;
     scheduling.simulation = SimulationFor(devices, table.devices);
+    scheduling.min_gain_bytes = options.min_tensor_bytes;
     absl::Status s = PlanSchedule(table, flow, before, scheduling, &schedule);
     if (!s.ok()) return s;
     report->schedule.simulations = schedule.simulations;

@@ -52,12 +52,14 @@ Score ScoreOf(const SimulationResult& simulation, bool allocator) {
   return score;
 }
 
-// Neither figure rises on any device, and one drops somewhere.
-bool Lowers(const Score& after, const Score& before) {
+// Neither figure rises on any device, and one drops by at least `min_gain` bytes
+// somewhere (an edge that saves less is not worth constraining the executor).
+bool Lowers(const Score& after, const Score& before, int64_t min_gain) {
   bool lower = false;
   for (size_t d = 0; d < before.peak.size(); ++d) {
     if (after.peak[d] > before.peak[d] || after.backward[d] > before.backward[d]) return false;
-    lower = lower || after.peak[d] < before.peak[d] || after.backward[d] < before.backward[d];
+    lower = lower || before.peak[d] - after.peak[d] >= min_gain ||
+            before.backward[d] - after.backward[d] >= min_gain;
   }
   return lower;
 }
@@ -327,7 +329,7 @@ class Scheduler {
       bool valid = false;
       absl::Status status = Evaluate(from, to, &candidate, &valid);
       if (!status.ok()) return status;
-      if (valid && Lowers(candidate.score, current)) better.push_back(std::move(candidate));
+      if (valid && Lowers(candidate.score, current, std::max<int64_t>(options_.min_gain_bytes, 1))) better.push_back(std::move(candidate));
     }
     std::stable_sort(better.begin(), better.end(), [&](const Candidate& a, const Candidate& b) {
       return Gain(a.score, current) > Gain(b.score, current);

@@ -14,7 +14,8 @@
 //  * a buffer whose last reader runs later is a candidate to free earlier: the
 //    step's node waits for that reader;
 //  * every candidate is simulated, and the one that lowers the peak (or, at the
-//    same peak, the backward bytes' peak) most, without raising either, is kept
+//    same peak, the backward bytes' peak) most, by at least min_gain_bytes (the
+//    config's min_tensor_bytes), without raising either, is kept
 //    once the allocator model confirms that the predicted peak does not rise.
 // Until no candidate helps, or the edge and simulation limits are reached.
 //
@@ -45,6 +46,8 @@ inline constexpr char kScheduledAttr[] = "_tfmemopt_scheduled";
 struct ScheduleOptions {
   // The allocator model that checks each kept edge (SimulationFor in the pass).
   SimulationOptions simulation;
+  // An edge must lower the peak (or the backward peak) by at least this much.
+  int64_t min_gain_bytes = 1 << 20;
   int max_edges = 16;
   // Candidate simulations in all (planning effort).
   int max_simulations = 120;
