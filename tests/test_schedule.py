@@ -131,11 +131,14 @@ if sys.argv[2] == "on":
     budget = int(0.9 * peak_before(step, *args))
     step, args = two_branches()
     tfmemopt.enable(budget=budget, log_level=0)
-losses = [float(step(*args)) for _ in range(3)]
-peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+losses, peaks = [], []
+for _ in range(8):
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    losses.append(float(step(*args)))
+    peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
 reports = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")]
 edges = reports[-1].scheduling_edges if reports else []
-print("RESULT " + json.dumps({"losses": losses, "peak": peak, "edges": edges}))
+print("RESULT " + json.dumps({"losses": losses, "peaks": peaks, "edges": edges}))
 '''
 
 
@@ -151,10 +154,15 @@ def measure(mode):
 
 
 def test_the_measured_peak_drops_and_losses_stay_bitwise_equal():
-    base = measure("off")
-    mine = measure("on")
-    assert mine["edges"] == [["branch_b_sum", "branch_a"]]
-    assert mine["losses"] == base["losses"]
-    # Without the edge TF holds branch a's 40 MiB while branch b works.
-    assert base["peak"] > 100 * MIB
-    assert mine["peak"] < 70 * MIB, (mine["peak"], base["peak"])
+    # TF picks its order per process (measured: 128.9 MiB in about two processes of
+    # three, 64.6 MiB in the others), so the baseline gets up to 8 processes to show
+    # the high order; with the edge, every process runs branch b first.
+    bases = []
+    while len(bases) < 8 and not any(max(b["peaks"]) > 100 * MIB for b in bases):
+        bases.append(measure("off"))
+    assert max(max(b["peaks"]) for b in bases) > 100 * MIB, [b["peaks"] for b in bases]
+    for _ in range(2):
+        mine = measure("on")
+        assert mine["edges"] == [["branch_b_sum", "branch_a"]]
+        assert all(b["losses"] == mine["losses"] for b in bases)
+        assert max(mine["peaks"]) < 70 * MIB, mine["peaks"]
