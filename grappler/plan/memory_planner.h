@@ -68,6 +68,15 @@ struct MemoryPlannerOptions {
   SimulationOptions simulation;
   // Upper bound on simulations of candidate plans (planning effort).
   int max_simulations = 400;
+  // AUTO, exact search: on graphs of at most exact_max_nodes nodes whose recompute
+  // candidates (forward nodes whose clone a backward op would read) number at most
+  // exact_max_candidates, subsets of candidates are simulated cheapest first, and
+  // the first that fits replaces the greedy plan if it is cheaper. 2^20 subsets
+  // bound the search; exact_max_simulations (2 per subset: both trigger
+  // placements) bounds its time: past it, the greedy plan stands.
+  int exact_max_candidates = 20;
+  int exact_max_nodes = 2000;
+  int exact_max_simulations = 4000;
 };
 
 struct MemoryPlan {
@@ -78,6 +87,11 @@ struct MemoryPlan {
   std::vector<int64_t> peak_bytes;
   bool feasible = true;
   int simulations = 0;
+  // AUTO: "exact" if the plan is the cheapest recompute-only plan that fits (or
+  // none cheaper than the greedy plan fits), "greedy" if the exact search was not
+  // run or ran out of simulations; "" under other policies.
+  std::string search;
+  int exact_candidates = -1;  // the exact search's candidates; -1 if too many
   double added_seconds = 0;  // recompute compute + the copy time not hidden
   std::vector<int> checkpoints;  // SQRT: nodes whose output is kept as a checkpoint
   // Forward nodes never recomputed, by reason ("stateful", "control_flow", ...).
