@@ -236,6 +236,8 @@ class Planner {
 
   // Simulates `choice` with both trigger placements and keeps the better: where
   // Grappler's breadth-first order runs a clone decides whether it lowers the peak.
+  // (If the usual placement fits, the other is not simulated: the planner asks
+  // no more of a plan than that it fits.)
   absl::Status Evaluate(Choice choice, Evaluated* out) {
     choice.early_triggers = false;
     if (choice.recompute.empty()) return EvaluateAs(std::move(choice), out);
@@ -243,7 +245,12 @@ class Planner {
     Choice early_choice = choice;
     early_choice.early_triggers = true;
     absl::Status status = EvaluateAs(std::move(choice), &late);
-    if (status.ok()) status = EvaluateAs(std::move(early_choice), &early);
+    if (!status.ok()) return status;
+    if (late.excess <= 0) {
+      *out = std::move(late);
+      return absl::OkStatus();
+    }
+    status = EvaluateAs(std::move(early_choice), &early);
     if (!status.ok()) return status;
     const bool better = early.excess < late.excess ||
                         (early.excess == late.excess && early.overshoot < late.overshoot);

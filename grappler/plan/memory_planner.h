@@ -16,6 +16,11 @@
 //    again after each step, until the peak fits or nothing lowers it any more (then
 //    the lowest peak found is reported as the minimum). Choices the budget turns
 //    out not to need are dropped again at the end, most expensive first.
+//    Small graphs (see exact_max_candidates) then get an exact search: every set
+//    of recompute candidates, cheapest first, is simulated until one fits; it
+//    replaces the greedy plan if it is cheaper. Each plan is simulated with the
+//    clones triggered as late as possible and, if that does not fit, one backward
+//    step earlier (see RecomputeInPlace), and the better placement is kept.
 //  * SQRT: OpenAI's checkpoints='memory'. The articulation points of the forward
 //    graph (tensors that alone connect its earlier part to its later part) are the
 //    candidate checkpoints; every ceil(sqrt(n))-th is kept and every other forward
@@ -71,9 +76,10 @@ struct MemoryPlannerOptions {
   // AUTO, exact search: on graphs of at most exact_max_nodes nodes whose recompute
   // candidates (forward nodes whose clone a backward op would read) number at most
   // exact_max_candidates, subsets of candidates are simulated cheapest first, and
-  // the first that fits replaces the greedy plan if it is cheaper. 2^20 subsets
-  // bound the search; exact_max_simulations (2 per subset: both trigger
-  // placements) bounds its time: past it, the greedy plan stands.
+  // the first that fits replaces the greedy plan if it is cheaper (sets cost at
+  // least the greedy plan are not tried). exact_max_simulations (up to 2 per set:
+  // both trigger placements) bounds its time: past it, the greedy plan stands.
+  // Big graphs never get it: a simulation there costs milliseconds.
   int exact_max_candidates = 20;
   int exact_max_nodes = 2000;
   int exact_max_simulations = 4000;
