@@ -237,10 +237,15 @@ class Planner {
   // Simulates `choice` with both trigger placements and keeps the better: where
   // Grappler's breadth-first order runs a clone decides whether it lowers the peak.
   // (If the usual placement fits, the other is not simulated: the planner asks
-  // no more of a plan than that it fits.)
+  // no more of a plan than that it fits. Graphs past exact_max_nodes get the usual
+  // placement only: there a simulation costs milliseconds, and the plan time of
+  // a big graph is bounded by the number of simulations.)
   absl::Status Evaluate(Choice choice, Evaluated* out) {
     choice.early_triggers = false;
-    if (choice.recompute.empty()) return EvaluateAs(std::move(choice), out);
+    if (choice.recompute.empty() ||
+        static_cast<int>(table_.nodes.size()) > options_.exact_max_nodes) {
+      return EvaluateAs(std::move(choice), out);
+    }
     Evaluated late, early;
     Choice early_choice = choice;
     early_choice.early_triggers = true;
@@ -781,10 +786,12 @@ absl::Status Planner::ExactSearch(double bound, Evaluated* found, bool* complete
   };
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> queue;
   queue.push({cost_of(1), 1, 0});
-  const int limit = plan_->simulations + options_.exact_max_simulations;
+  const int64_t allowed = std::min<int64_t>(options_.exact_max_simulations,
+                                            options_.exact_max_node_steps / n);
+  const int64_t limit = plan_->simulations + allowed;
   for (int64_t popped = 0; !queue.empty(); ++popped) {
     // Sets skipped unsimulated cost little, but not nothing.
-    if (popped >= 64 * int64_t{options_.exact_max_simulations}) return absl::OkStatus();
+    if (popped >= 64 * allowed) return absl::OkStatus();
     const Entry e = queue.top();
     queue.pop();
     if (e.cost >= bound) break;  // nothing cheaper than the plan in hand is left

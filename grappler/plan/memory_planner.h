@@ -18,9 +18,10 @@
 //    out not to need are dropped again at the end, most expensive first.
 //    Small graphs (see exact_max_candidates) then get an exact search: every set
 //    of recompute candidates, cheapest first, is simulated until one fits; it
-//    replaces the greedy plan if it is cheaper. Each plan is simulated with the
-//    clones triggered as late as possible and, if that does not fit, one backward
-//    step earlier (see RecomputeInPlace), and the better placement is kept.
+//    replaces the greedy plan if it is cheaper. On such graphs (exact_max_nodes)
+//    each plan is simulated with the clones triggered as late as possible and, if
+//    that does not fit, one backward step earlier (see RecomputeInPlace), and the
+//    better placement is kept.
 //  * SQRT: OpenAI's checkpoints='memory'. The articulation points of the forward
 //    graph (tensors that alone connect its earlier part to its later part) are the
 //    candidate checkpoints; every ceil(sqrt(n))-th is kept and every other forward
@@ -76,13 +77,15 @@ struct MemoryPlannerOptions {
   // AUTO, exact search: on graphs of at most exact_max_nodes nodes whose recompute
   // candidates (forward nodes whose clone a backward op would read) number at most
   // exact_max_candidates, subsets of candidates are simulated cheapest first, and
-  // the first that fits replaces the greedy plan if it is cheaper (sets cost at
-  // least the greedy plan are not tried). exact_max_simulations (up to 2 per set:
-  // both trigger placements) bounds its time: past it, the greedy plan stands.
-  // Big graphs never get it: a simulation there costs milliseconds.
+  // the first that fits replaces the greedy plan if it is cheaper (sets that cost
+  // at least the greedy plan are not tried). Its effort is bounded by
+  // exact_max_simulations (up to 2 per set: both trigger placements) and by
+  // exact_max_node_steps (simulations x nodes: a simulation's cost grows with the
+  // graph; about 0.6 s on the test machine); past either, the greedy plan stands.
   int exact_max_candidates = 20;
-  int exact_max_nodes = 2000;
+  int exact_max_nodes = 1000;
   int exact_max_simulations = 4000;
+  int64_t exact_max_node_steps = 400000;
 };
 
 struct MemoryPlan {
@@ -97,7 +100,7 @@ struct MemoryPlan {
   // none cheaper than the greedy plan fits), "greedy" if the exact search was not
   // run or ran out of simulations; "" under other policies.
   std::string search;
-  int exact_candidates = -1;  // the exact search's candidates; -1 if too many
+  int exact_candidates = -1;  // the exact search's candidates; -1: not run
   double added_seconds = 0;  // recompute compute + the copy time not hidden
   std::vector<int> checkpoints;  // SQRT: nodes whose output is kept as a checkpoint
   // Forward nodes never recomputed, by reason ("stateful", "control_flow", ...).
