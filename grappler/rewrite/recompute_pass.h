@@ -92,13 +92,20 @@ int LatestBackwardInput(const TensorTable& table, const ControlFlowInfo& flow, i
 // are skipped.
 absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
                                    const ControlFlowInfo& flow,
-                                   const std::vector<int>& nodes, RecomputeRewrite* rewrite);
+                                   const std::vector<int>& nodes, RecomputeRewrite* rewrite,
+                                   bool early_triggers = false);
 
 // The same, applied to `table` in place (rewrite->table stays empty); `edit`
 // records how to take it back. The planner simulates candidate plans this way.
+// early_triggers: each clone is triggered one backward step earlier (by its
+// trigger's own latest backward input, where there is one), so that in Grappler's
+// breadth-first order it is queued beside the consumer's last gradient input
+// instead of behind that input's other consumers. Which placement lowers the peak
+// depends on the graph; the planner simulates both.
 absl::Status RecomputeInPlace(TensorTable* table, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& nodes,
-                              RecomputeRewrite* rewrite, TableEdit* edit);
+                              RecomputeRewrite* rewrite, TableEdit* edit,
+                              bool early_triggers = false);
 
 // Applies `rewrite` to `graph`, the GraphDef the base table was built from.
 absl::Status ApplyRecomputeRewrite(const RecomputeRewrite& rewrite,
