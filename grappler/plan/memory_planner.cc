@@ -235,7 +235,7 @@ class Planner {
   }
 
   // Simulates `choice` with both trigger placements and keeps the better: where
-  // Grappler's breadth-first order runs a clone decides whether it lowers the peak.
+  // the executor's order runs a clone decides whether it lowers the peak.
   // (If the usual placement fits, the other is not simulated: the planner asks
   // no more of a plan than that it fits. Graphs past exact_max_nodes get the usual
   // placement only: there a simulation costs milliseconds, and the plan time of

@@ -98,10 +98,10 @@ absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<in
 // The same, applied to `table` in place (rewrite->table stays empty); `edit`
 // records how to take it back. The planner simulates candidate plans this way.
 // early_triggers: each clone is triggered one backward step earlier (by its
-// trigger's own latest backward input, where there is one), so that in Grappler's
-// breadth-first order it is queued beside the consumer's last gradient input
-// instead of behind that input's other consumers. Which placement lowers the peak
-// depends on the graph; the planner simulates both.
+// trigger's own latest backward input, where there is one), so that the executor
+// can run it beside the consumer's last gradient input instead of behind that
+// input's other consumers. Which placement lowers the peak depends on the graph;
+// the planner simulates both.
 absl::Status RecomputeInPlace(TensorTable* table, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& nodes,
                               RecomputeRewrite* rewrite, TableEdit* edit,
