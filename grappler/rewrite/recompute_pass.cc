@@ -53,9 +53,13 @@ void TableEdit::Begin(const TensorTable& table) {
   buffers = table.buffers.size();
   consumers.clear();
   inputs.clear();
+  control_inputs.clear();
 }
 
 void TableEdit::Undo(TensorTable* table) const {
+  for (auto it = control_inputs.rbegin(); it != control_inputs.rend(); ++it) {
+    table->nodes[it->first].control_inputs.resize(it->second);
+  }
   for (auto it = inputs.rbegin(); it != inputs.rend(); ++it) {
     table->nodes[std::get<0>(*it)].inputs[std::get<1>(*it)] = std::get<2>(*it);
   }

@@ -62,6 +62,7 @@ struct TableEdit {
   size_t nodes = 0, tensors = 0, buffers = 0;
   std::vector<std::pair<int, std::vector<int>>> consumers;  // tensor, old list
   std::vector<std::tuple<int, int, int>> inputs;            // node, slot, old tensor
+  std::vector<std::pair<int, size_t>> control_inputs;       // node, old count
 
   void Begin(const TensorTable& table);
   void SaveConsumers(const TensorTable& table, int tensor) {
@@ -69,6 +70,10 @@ struct TableEdit {
   }
   void SaveInput(const TensorTable& table, int node, int slot) {
     inputs.emplace_back(node, slot, table.nodes[node].inputs[slot]);
+  }
+  // Before control inputs are appended to `node`.
+  void SaveControlInputs(const TensorTable& table, int node) {
+    control_inputs.emplace_back(node, table.nodes[node].control_inputs.size());
   }
   // Restores `table` to what it was at Begin().
   void Undo(TensorTable* table) const;
