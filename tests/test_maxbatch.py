@@ -210,17 +210,19 @@ def test_deep_resnet_quick_json_is_the_last_line(tmp_path):
     searches = data["searches"]
     assert data["max_depth_baseline"] == searches["baseline"]["max_batch"]
     assert data["max_depth_tfmemopt"] == searches["tfmemopt"]["max_batch"]
+    assert data["max_depth_auto"] == searches["auto"]["max_batch"]
     assert isinstance(data["max_depth_baseline"], int)
     assert isinstance(data["overhead_at_baseline_max"], float)
+    assert isinstance(data["overhead_auto"], float)
     assert data["timed_size"] == data["max_depth_baseline"]
-    for name in ("baseline", "tfmemopt"):
+    for name in ("baseline", "tfmemopt", "auto"):
         trials = searches[name]["trials"]
         ok = [t["size"] for t in trials if t["status"] == "ok"]
         oom = [t["size"] for t in trials if t["status"] == "oom"]
         assert len(ok) + len(oom) == len(trials) and (not oom or max(ok) < min(oom))
         assert len(data["timing"][name]["step_times"]) == data["settings"]["rounds"]
-    # The pass ran (and reported) only in the tfmemopt configuration.
-    assert all("report" in t for t in searches["tfmemopt"]["trials"])
+    # The pass ran (and reported) only in the tfmemopt configurations.
+    assert all("report" in t for t in searches["tfmemopt"]["trials"] + searches["auto"]["trials"])
     assert not any("report" in t for t in searches["baseline"]["trials"])
     assert plot.stat().st_size > 0
     assert "largest depth baseline" in proc.stdout
