@@ -4,17 +4,19 @@ The seed-001 experiment on the CPU test bed: a CIFAR-shaped ResNet (32x32x3 inpu
 `depth` residual blocks; benchmarks/models.py: cifar_resnet) at a fixed batch, under a
 capped CPU allocator (TF_CPU_ALLOCATOR_USE_BFC, TF_CPU_BFC_MEM_LIMIT_IN_MB). For each
 configuration, the largest depth that trains is searched by doubling from --lo, then
-bisecting, up to --max-depth, one subprocess per trial (tfmemopt.maxbatch). Then both
+bisecting, up to --max-depth, one subprocess per trial (tfmemopt.maxbatch). Then all
 configurations are timed at the baseline's largest depth in the same run, taking turns
 step by step, and overhead_at_baseline_max = t_tfmemopt / t_baseline - 1 (medians).
 
-Configurations: "baseline" (without tfmemopt) and "tfmemopt" (recompute only:
-enable_swap=False, other fields at their defaults).
+Configurations: "baseline" (without tfmemopt), "tfmemopt" (recompute only:
+enable_swap=False, other fields at their defaults) and "auto" (the joint planner:
+keep, swap or recompute each tensor; every field at its default).
 
 Usage: python benchmarks/deep_resnet.py [--batch 128] [--cap-mb 768] [--max-depth 200]
            [--plot peak_vs_depth.png] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:
-{"max_depth_baseline", "max_depth_tfmemopt", "overhead_at_baseline_max", ...}.
+{"max_depth_baseline", "max_depth_tfmemopt", "max_depth_auto",
+"overhead_at_baseline_max" (tfmemopt's), "overhead_auto", ...}.
 """
 
 import argparse
@@ -29,7 +31,8 @@ import models  # noqa: E402
 from tfmemopt.maxbatch import compare, table  # noqa: E402
 
 # What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
-CONFIGS = {"baseline": None, "tfmemopt": {"enable_swap": False}}
+# "auto": the joint planner (swap and recompute, every field at its default).
+CONFIGS = {"baseline": None, "tfmemopt": {"enable_swap": False}, "auto": {}}
 DEFAULTS = dict(batch=128, width=16, cap_mb=768, lo=1, max_depth=200, steps=2, rounds=10)
 # --quick: a tiny network, one trial per configuration and two timed steps, so that a
 # test can run the whole benchmark fast.
@@ -45,7 +48,7 @@ def plot(results, cap_mb, batch, path):
     fig = figure_class(figsize=(8, 5), dpi=100, layout="constrained")
     canvas_class(fig)
     ax = fig.subplots()
-    styles = (("o-", "#4c72b0"), ("s--", "#dd8452"))
+    styles = (("o-", "#4c72b0"), ("s--", "#dd8452"), ("^:", "#55a868"))
     for (name, result), (style, color) in zip(results.items(), styles):
         ok = sorted((t.size, t.peak_bytes / 2**20) for t in result.trials if t.ok and t.peak_bytes)
         if ok:
@@ -102,9 +105,10 @@ def main():
         limit = ("" if result.min_failing_batch is not None or result.max_batch is None
                  else f" (depth {settings['max_depth']} trains: the limit is above --max-depth)")
         print(f"largest depth {name}: {result.max_batch}{limit}")
+    for name, value in comparison.overhead.items():
+        if value is not None:
+            print(f"overhead of {name} at depth {comparison.size}: {value * 100:+.1f} %")
     overhead = comparison.overhead.get("tfmemopt")
-    if overhead is not None:
-        print(f"overhead at depth {comparison.size}: {overhead * 100:+.1f} %")
     if comparison.error:
         print(f"search stopped: {comparison.error}")
     if args.plot:
@@ -113,6 +117,8 @@ def main():
         print(json.dumps({
             "max_depth_baseline": base,
             "max_depth_tfmemopt": results["tfmemopt"].max_batch if "tfmemopt" in results else None,
+            "max_depth_auto": results["auto"].max_batch if "auto" in results else None,
+            "overhead_auto": comparison.overhead.get("auto"),
             "overhead_at_baseline_max": overhead,
             "settings": settings,
             "configs": CONFIGS,

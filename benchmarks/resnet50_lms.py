@@ -5,16 +5,18 @@ synthetic 64x64 images, trained with a GradientTape step and Adam (benchmarks/mo
 resnet50), under a capped CPU allocator (TF_CPU_ALLOCATOR_USE_BFC,
 TF_CPU_BFC_MEM_LIMIT_IN_MB). For each configuration, the largest batch that trains is
 searched by doubling from --lo, then bisecting, up to --hi, one subprocess per trial
-(tfmemopt.maxbatch). Then both configurations are timed at the baseline's largest batch
+(tfmemopt.maxbatch). Then all configurations are timed at the baseline's largest batch
 in the same run, taking turns step by step, and
-overhead_at_baseline_max = t_tfmemopt / t_baseline - 1 (medians).
+overhead_at_baseline_max = t_tfmemopt / t_baseline - 1 (medians; overhead_auto likewise).
 
-Configurations: "baseline" (without tfmemopt) and "tfmemopt" (swap only:
-enable_recompute=False, other fields at their defaults).
+Configurations: "baseline" (without tfmemopt), "tfmemopt" (swap only:
+enable_recompute=False, other fields at their defaults) and "auto" (the joint planner:
+keep, swap or recompute each tensor; every field at its default).
 
 Usage: python benchmarks/resnet50_lms.py [--cap-mb 1024] [--lo 16] [--hi 1024] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:
-{"max_batch_baseline", "max_batch_tfmemopt", "overhead_at_baseline_max", ...}.
+{"max_batch_baseline", "max_batch_tfmemopt", "max_batch_auto",
+"overhead_at_baseline_max" (tfmemopt's), "overhead_auto", ...}.
 """
 
 import argparse
@@ -29,7 +31,8 @@ import models  # noqa: E402
 from tfmemopt.maxbatch import compare, table  # noqa: E402
 
 # What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
-CONFIGS = {"baseline": None, "tfmemopt": {"enable_recompute": False}}
+# "auto": the joint planner (swap and recompute, every field at its default).
+CONFIGS = {"baseline": None, "tfmemopt": {"enable_recompute": False}, "auto": {}}
 DEFAULTS = dict(size=64, cap_mb=1024, lo=16, hi=1024, steps=2, rounds=10)
 # --quick: small images, one trial per configuration and two timed steps (ResNet-50's
 # graph still takes tens of seconds to build in each trial).
@@ -70,15 +73,18 @@ def main():
         limit = ("" if result.min_failing_batch is not None or result.max_batch is None
                  else f" (batch {settings['hi']} trains: the limit is above --hi)")
         print(f"largest batch {name}: {result.max_batch}{limit}")
+    for name, value in comparison.overhead.items():
+        if value is not None:
+            print(f"overhead of {name} at batch {comparison.size}: {value * 100:+.1f} %")
     overhead = comparison.overhead.get("tfmemopt")
-    if overhead is not None:
-        print(f"overhead at batch {comparison.size}: {overhead * 100:+.1f} %")
     if comparison.error:
         print(f"search stopped: {comparison.error}")
     if args.json:
         print(json.dumps({
             "max_batch_baseline": results["baseline"].max_batch,
             "max_batch_tfmemopt": results["tfmemopt"].max_batch if "tfmemopt" in results else None,
+            "max_batch_auto": results["auto"].max_batch if "auto" in results else None,
+            "overhead_auto": comparison.overhead.get("auto"),
             "overhead_at_baseline_max": overhead,
             "settings": settings,
             "configs": CONFIGS,

@@ -330,6 +330,8 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (!s.ok()) return s;
     report->recompute.feasible = report->swap.feasible = plan.feasible;
     report->recompute.simulations = plan.simulations;
+    report->recompute.search = plan.search;
+    report->recompute.exact_candidates = plan.exact_candidates;
     report->recompute.left_alone = plan.left_alone;
     report->recompute.hinted_but_not_recomputable = plan.hinted_but_not_recomputable;
     report->recompute.note = plan.note;

@@ -210,17 +210,37 @@ def test_deep_resnet_quick_json_is_the_last_line(tmp_path):
     searches = data["searches"]
     assert data["max_depth_baseline"] == searches["baseline"]["max_batch"]
     assert data["max_depth_tfmemopt"] == searches["tfmemopt"]["max_batch"]
+    assert data["max_depth_auto"] == searches["auto"]["max_batch"]
     assert isinstance(data["max_depth_baseline"], int)
     assert isinstance(data["overhead_at_baseline_max"], float)
+    assert isinstance(data["overhead_auto"], float)
     assert data["timed_size"] == data["max_depth_baseline"]
-    for name in ("baseline", "tfmemopt"):
+    for name in ("baseline", "tfmemopt", "auto"):
         trials = searches[name]["trials"]
         ok = [t["size"] for t in trials if t["status"] == "ok"]
         oom = [t["size"] for t in trials if t["status"] == "oom"]
         assert len(ok) + len(oom) == len(trials) and (not oom or max(ok) < min(oom))
         assert len(data["timing"][name]["step_times"]) == data["settings"]["rounds"]
-    # The pass ran (and reported) only in the tfmemopt configuration.
-    assert all("report" in t for t in searches["tfmemopt"]["trials"])
+    # The pass ran (and reported) only in the tfmemopt configurations.
+    assert all("report" in t for t in searches["tfmemopt"]["trials"] + searches["auto"]["trials"])
     assert not any("report" in t for t in searches["baseline"]["trials"])
     assert plot.stat().st_size > 0
     assert "largest depth baseline" in proc.stdout
+
+
+def test_timing_falls_back_to_smaller_sizes_each_below_the_last():
+    from tfmemopt.maxbatch import MaxBatchResult, Trial, timing_sizes
+
+    def search(ok_sizes, oom_sizes):
+        trials = [Trial(size=s, status="ok") for s in ok_sizes]
+        trials += [Trial(size=s, status="oom") for s in oom_sizes]
+        return MaxBatchResult(max(ok_sizes, default=None), min(oom_sizes, default=None),
+                              trials, lo=1, hi=256, cap_mb=None, config={}, seconds=0.0)
+
+    # ResNet-50's search: 96 and 97 trained, 98 did not, and the timings at 97 and 96
+    # both ran out of memory: the fall-back goes on below the search's trained sizes.
+    assert timing_sizes(search([96, 97], [98, 192])) == [97, 96, 92, 87]
+    # A doubling search: the next trained size is far below; nearer sizes come first.
+    assert timing_sizes(search([10, 20, 40], [80])) == [40, 38, 36, 34]
+    assert timing_sizes(search([], [4])) == []
+    assert timing_sizes(search([1], [2])) == [1]

@@ -133,3 +133,21 @@ def test_max_pool_kernel_memory_depends_on_onednn(onednn):
     assert listed == pytest.approx(10 * MIB, abs=4096)
     kernel = pooled // 4 if onednn == "1" else 3 * pooled
     assert device["live_peak_bytes"] == pytest.approx(listed + kernel, abs=4096)
+
+
+def test_bfc_regions_hold_three_tensors_just_below_256_mib_but_not_just_above():
+    # Why seed000 stops at batch 1820 in every configuration: under a 1024 MiB cap,
+    # BFC's doubling regions (never merged) fit three 255.9 MiB tensors and only two
+    # of 256.1 MiB, though 768.3 MiB is far below the cap. The pass cannot move this
+    # limit without splitting ops.
+    import subprocess
+    import sys
+
+    from conftest import BENCHMARKS
+
+    proc = subprocess.run(
+        [sys.executable, f"{BENCHMARKS}/bfc_regions.py", "--cap-mb", "1024", "--count", "3",
+         "--mib", "255.9", "256.1", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trials = json.loads(proc.stdout.strip().splitlines()[-1])["trials"]
+    assert [(t["held"], t["fits"]) for t in trials] == [(3, True), (2, False)]

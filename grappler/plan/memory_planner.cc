@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <queue>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -145,6 +147,7 @@ double Overshoot(const SimulationResult& simulation, const std::vector<int64_t>&
 struct Choice {
   std::vector<int> recompute;  // base node indices
   std::vector<int> swap;       // base tensor indices
+  bool early_triggers = false;  // RecomputeInPlace's; Evaluate picks the better
 };
 
 // One planning state: a choice, simulated. (The planner applies choices to one
@@ -220,7 +223,8 @@ class Planner {
   // Applies `choice` to the working table; Unapply() takes it back.
   absl::Status Apply(const Choice& choice) {
     absl::Status status = RecomputeInPlace(&work_, order_, flow_, choice.recompute,
-                                           &applied_recompute_, &recompute_edit_);
+                                           &applied_recompute_, &recompute_edit_,
+                                           choice.early_triggers);
     if (!status.ok()) return status;
     return SwapInPlace(&work_, applied_recompute_.order, flow_, choice.swap, SwapOptionsFor(),
                        &applied_swap_, &swap_edit_);
@@ -230,7 +234,36 @@ class Planner {
     recompute_edit_.Undo(&work_);
   }
 
+  // Simulates `choice` with both trigger placements and keeps the better: where
+  // the executor's order runs a clone decides whether it lowers the peak.
+  // (If the usual placement fits, the other is not simulated: the planner asks
+  // no more of a plan than that it fits. Graphs past exact_max_nodes get the usual
+  // placement only: there a simulation costs milliseconds, and the plan time of
+  // a big graph is bounded by the number of simulations.)
   absl::Status Evaluate(Choice choice, Evaluated* out) {
+    choice.early_triggers = false;
+    if (choice.recompute.empty() ||
+        static_cast<int>(table_.nodes.size()) > options_.exact_max_nodes) {
+      return EvaluateAs(std::move(choice), out);
+    }
+    Evaluated late, early;
+    Choice early_choice = choice;
+    early_choice.early_triggers = true;
+    absl::Status status = EvaluateAs(std::move(choice), &late);
+    if (!status.ok()) return status;
+    if (late.excess <= 0) {
+      *out = std::move(late);
+      return absl::OkStatus();
+    }
+    status = EvaluateAs(std::move(early_choice), &early);
+    if (!status.ok()) return status;
+    const bool better = early.excess < late.excess ||
+                        (early.excess == late.excess && early.overshoot < late.overshoot);
+    *out = std::move(better ? early : late);
+    return absl::OkStatus();
+  }
+
+  absl::Status EvaluateAs(Choice choice, Evaluated* out) {
     const auto start = std::chrono::steady_clock::now();
     for (std::vector<int>* v : {&choice.recompute, &choice.swap}) {
       std::sort(v->begin(), v->end());
@@ -303,6 +336,12 @@ class Planner {
     allocator_ = true;
     return Evaluate(std::move(choice), out);
   }
+  // AUTO on small graphs: the cheapest set of recompute candidates (by added
+  // seconds) whose simulated peak fits the budget, if one costs less than
+  // `bound`. Sets *complete when the search proved that (it found the cheapest,
+  // or that none cheaper than `bound` fits); false when it was not run (too many
+  // candidates, too big a graph) or ran out of simulations.
+  absl::Status ExactSearch(double bound, Evaluated* found, bool* complete);
   // SQRT's recompute set, one group per segment between checkpoints.
   absl::Status SqrtChoice(std::vector<Group>* segments);
   absl::Status ManualChoice(Choice* choice);
@@ -658,6 +697,128 @@ absl::Status Planner::Descend(const Choice& fixed, std::vector<Group> groups, bo
   return absl::OkStatus();
 }
 
+absl::Status Planner::ExactSearch(double bound, Evaluated* found, bool* complete) {
+  *complete = false;
+  found->excess = 1;  // nothing found yet
+  const int n = static_cast<int>(table_.nodes.size());
+  if (options_.exact_max_candidates <= 0 || n > options_.exact_max_nodes) {
+    return absl::OkStatus();
+  }
+  // Candidates: recomputable forward nodes whose clone a backward op would read,
+  // directly or through the clone of a candidate they feed (RecomputeInPlace skips
+  // the others). Visited consumers first.
+  std::vector<bool> candidate(n, false), direct(n, false);
+  std::vector<int> items;
+  for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
+    const int node = *it;
+    if (!recomputable_[node] || ReadsAddNInputEarly(node)) continue;
+    bool big = false, read = false;
+    for (int t : table_.nodes[node].outputs) {
+      big = big || table_.tensors[t].bytes >= options_.min_tensor_bytes;
+      for (int c : table_.tensors[t].consumers) {
+        if (candidate[c]) read = true;
+        if (ReadsRecomputedValues(table_, flow_, c)) direct[node] = read = true;
+      }
+    }
+    if (!big || !read) continue;
+    candidate[node] = true;
+    items.push_back(node);
+    // (At most 30: sets are bit masks, and 2^30 of them is past any useful effort.)
+    if (static_cast<int>(items.size()) > std::min(options_.exact_max_candidates, 30)) {
+      return absl::OkStatus();
+    }
+  }
+  plan_->exact_candidates = static_cast<int>(items.size());
+  if (items.empty()) {
+    *complete = true;
+    return absl::OkStatus();
+  }
+  // Cheapest first; ties by node index, so the search is deterministic.
+  std::sort(items.begin(), items.end(), [&](int a, int b) {
+    const double ca = table_.nodes[a].compute_seconds, cb = table_.nodes[b].compute_seconds;
+    return ca != cb ? ca < cb : a < b;
+  });
+  const int k = static_cast<int>(items.size());
+  auto cost_of = [&](uint64_t set) {
+    double cost = 0;
+    for (int i = 0; i < k; ++i) {
+      if (set >> i & 1) cost += table_.nodes[items[i]].compute_seconds;
+    }
+    return cost;
+  };
+  // A set some member of which nobody would read from a clone plans the same as
+  // the set without it, which costs no more and is enumerated too. `readers[i]`:
+  // the items that read item i (later in the order: items were found consumers
+  // first, so `by_order` lists them from the last).
+  std::vector<int> slot(n, -1);
+  for (int i = 0; i < k; ++i) slot[items[i]] = i;
+  std::vector<int> by_order;
+  for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
+    if (slot[*it] >= 0) by_order.push_back(slot[*it]);
+  }
+  std::vector<uint64_t> readers(k, 0);
+  for (int i = 0; i < k; ++i) {
+    for (int t : table_.nodes[items[i]].outputs) {
+      for (int c : table_.tensors[t].consumers) {
+        if (slot[c] >= 0) readers[i] |= uint64_t{1} << slot[c];
+      }
+    }
+  }
+  auto all_read = [&](uint64_t set) {
+    uint64_t read = 0;
+    for (int i : by_order) {
+      if (!(set >> i & 1)) continue;
+      if (!direct[items[i]] && !(readers[i] & read)) return false;
+      read |= uint64_t{1} << i;
+    }
+    return true;
+  };
+  // Every non-empty subset once, in order of cost (sum of its items' seconds):
+  // from the set whose highest item is j, add item j + 1, or replace j by j + 1.
+  // The first set that fits is the cheapest. Ties pop in order of the bit mask.
+  struct Entry {
+    double cost;
+    uint64_t set;
+    int last;
+    bool operator>(const Entry& o) const {
+      return cost != o.cost ? cost > o.cost : set > o.set;
+    }
+  };
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> queue;
+  queue.push({cost_of(1), 1, 0});
+  const int64_t allowed = std::min<int64_t>(options_.exact_max_simulations,
+                                            options_.exact_max_node_steps / n);
+  const int64_t limit = plan_->simulations + allowed;
+  for (int64_t popped = 0; !queue.empty(); ++popped) {
+    // Sets skipped unsimulated cost little, but not nothing.
+    if (popped >= 64 * allowed) return absl::OkStatus();
+    const Entry e = queue.top();
+    queue.pop();
+    if (e.cost >= bound) break;  // nothing cheaper than the plan in hand is left
+    if (e.last + 1 < k) {
+      const uint64_t next = uint64_t{1} << (e.last + 1);
+      queue.push({cost_of(e.set | next), e.set | next, e.last + 1});
+      const uint64_t swapped = (e.set & ~(uint64_t{1} << e.last)) | next;
+      queue.push({cost_of(swapped), swapped, e.last + 1});
+    }
+    if (!all_read(e.set)) continue;
+    if (plan_->simulations >= limit) return absl::OkStatus();
+    Choice choice;
+    for (int i = 0; i < k; ++i) {
+      if (e.set >> i & 1) choice.recompute.push_back(items[i]);
+    }
+    Evaluated trial;
+    absl::Status status = Evaluate(std::move(choice), &trial);
+    if (!status.ok()) return status;
+    if (trial.excess <= 0) {
+      *found = std::move(trial);
+      break;
+    }
+  }
+  *complete = true;
+  return absl::OkStatus();
+}
+
 absl::Status Planner::SqrtChoice(std::vector<Group>* segments) {
   // Forward tensors big enough to matter, with the span of their forward readers.
   const int n = static_cast<int>(table_.nodes.size());
@@ -827,6 +988,21 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
                               : from_sqrt.excess < best.excess;
       if (better) best = std::move(from_sqrt);
     }
+    if (auto_recompute) {
+      // Small graphs: the exact search, bounded by the greedy plan's cost when that
+      // fits, on the allocator model where there is one (the greedy plan's was).
+      // Swaps are the greedy descent's alone; its plan stands unless a cheaper
+      // recompute-only plan fits.
+      status = planner.UseAllocatorModel(&best);
+      if (!status.ok()) return status;
+      Evaluated exact;
+      bool complete = false;
+      status = planner.ExactSearch(best.excess <= 0 ? best.seconds : INFINITY, &exact,
+                                   &complete);
+      if (!status.ok()) return status;
+      plan->search = complete ? "exact" : "greedy";
+      if (exact.excess <= 0) best = std::move(exact);
+    }
     if (status.ok() && best.excess > 0 &&
         (!best.choice.recompute.empty() || !best.choice.swap.empty())) {
       // Out of reach: the best plan is applied only if it lowers some device's
@@ -870,7 +1046,8 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   if (!status.ok()) return status;
   VLOG(1) << "TfMemOpt plan: " << plan->simulations << " simulations, building rewrites "
           << planner.rewrite_seconds_ << " s, simulating " << planner.simulate_seconds_ << " s";
-  status = BuildRecomputeRewrite(table, order, flow, best.choice.recompute, &rewrite->recompute);
+  status = BuildRecomputeRewrite(table, order, flow, best.choice.recompute, &rewrite->recompute,
+                                 best.choice.early_triggers);
   if (!status.ok()) return status;
   status = BuildSwapRewrite(std::move(rewrite->recompute.table), rewrite->recompute.order, flow,
                             best.choice.swap, planner.SwapOptionsFor(), &rewrite->swap);

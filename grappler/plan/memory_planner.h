@@ -16,6 +16,12 @@
 //    again after each step, until the peak fits or nothing lowers it any more (then
 //    the lowest peak found is reported as the minimum). Choices the budget turns
 //    out not to need are dropped again at the end, most expensive first.
+//    Small graphs (see exact_max_candidates) then get an exact search: every set
+//    of recompute candidates, cheapest first, is simulated until one fits; it
+//    replaces the greedy plan if it is cheaper. On such graphs (exact_max_nodes)
+//    each plan is simulated with the clones triggered as late as possible and, if
+//    that does not fit, one backward step earlier (see RecomputeInPlace), and the
+//    better placement is kept.
 //  * SQRT: OpenAI's checkpoints='memory'. The articulation points of the forward
 //    graph (tensors that alone connect its earlier part to its later part) are the
 //    candidate checkpoints; every ceil(sqrt(n))-th is kept and every other forward
@@ -68,6 +74,18 @@ struct MemoryPlannerOptions {
   SimulationOptions simulation;
   // Upper bound on simulations of candidate plans (planning effort).
   int max_simulations = 400;
+  // AUTO, exact search: on graphs of at most exact_max_nodes nodes whose recompute
+  // candidates (forward nodes whose clone a backward op would read) number at most
+  // exact_max_candidates, subsets of candidates are simulated cheapest first, and
+  // the first that fits replaces the greedy plan if it is cheaper (sets that cost
+  // at least the greedy plan are not tried). Its effort is bounded by
+  // exact_max_simulations (up to 2 per set: both trigger placements) and by
+  // exact_max_node_steps (simulations x nodes: a simulation's cost grows with the
+  // graph; about 0.6 s on the test machine); past either, the greedy plan stands.
+  int exact_max_candidates = 20;
+  int exact_max_nodes = 1000;
+  int exact_max_simulations = 4000;
+  int64_t exact_max_node_steps = 400000;
 };
 
 struct MemoryPlan {
@@ -78,6 +96,11 @@ struct MemoryPlan {
   std::vector<int64_t> peak_bytes;
   bool feasible = true;
   int simulations = 0;
+  // AUTO: "exact" if the plan is the cheapest recompute-only plan that fits (or
+  // none cheaper than the greedy plan fits), "greedy" if the exact search was not
+  // run or ran out of simulations; "" under other policies.
+  std::string search;
+  int exact_candidates = -1;  // the exact search's candidates; -1: not run
   double added_seconds = 0;  // recompute compute + the copy time not hidden
   std::vector<int> checkpoints;  // SQRT: nodes whose output is kept as a checkpoint
   // Forward nodes never recomputed, by reason ("stateful", "control_flow", ...).

@@ -127,6 +127,8 @@ std::string MemoryReport::ToJson() const {
       << ",\"step_seconds\":" << absl::StrFormat("%.9g", recompute.step_seconds)
       << ",\"feasible\":" << (recompute.feasible ? "true" : "false")
       << ",\"simulations\":" << recompute.simulations
+      << ",\"search\":" << Quote(recompute.search)
+      << ",\"exact_candidates\":" << recompute.exact_candidates
       << ",\"checkpoints\":" << QuotedList(recompute.checkpoints) << ",\"left_alone\":{";
   bool first_reason = true;
   for (const auto& [reason, count] : recompute.left_alone) {

@@ -59,6 +59,10 @@ struct RecomputeReport {
   double step_seconds = 0;      // predicted compute of the whole step, before
   bool feasible = true;
   int simulations = 0;
+  // AUTO: "exact" (the cheapest recompute-only plan that fits, or none cheaper
+  // than the greedy plan fits) or "greedy"; see MemoryPlan::search.
+  std::string search;
+  int exact_candidates = -1;  // candidates of the exact search; -1: not run
   std::vector<std::string> checkpoints;  // SQRT
   std::map<std::string, int> left_alone;  // forward ops never recomputed, by reason
   std::vector<std::string> hinted_but_not_recomputable;

@@ -91,6 +91,7 @@ absl::Status SwapInPlace(TensorTable* table_ptr, const std::vector<int>& order,
 
   rewrite->new_defs.clear();
   rewrite->rewires.clear();
+  rewrite->waits.clear();
   rewrite->swapped.clear();
   rewrite->num_swap_out = rewrite->num_swap_in = 0;
   rewrite->bytes_to_host = 0;
@@ -264,6 +265,30 @@ absl::Status SwapInPlace(TensorTable* table_ptr, const std::vector<int>& order,
         }
       }
     }
+    if (!gpu) {
+      // The producer's readers that stay in the forward pass wait for the
+      // swap-out. Otherwise the executor may run one of them inline and queue the
+      // swap-out behind the rest of the forward pass (with one inter-op thread it
+      // runs just before its swap-in), and the tensor stays on the device all
+      // along. On a GPU the swap-out runs in the host's own executor, so nothing
+      // queues it behind the device's ops.
+      std::vector<int> readers;
+      for (int output : table.nodes[producer_node].outputs) {
+        for (int c : table.tensors[output].consumers) {
+          if (c >= n || ReadsRecomputedValues(table, flow, c)) continue;
+          if (std::find(readers.begin(), readers.end(), c) == readers.end()) {
+            readers.push_back(c);
+          }
+        }
+      }
+      std::sort(readers.begin(), readers.end());
+      for (int c : readers) {
+        if (edit != nullptr) edit->SaveControlInputs(table, c);
+        table.nodes[c].control_inputs.push_back(out_node);
+        rewrite->waits.push_back(
+            {c, table.nodes[out_node].def->name(), table.nodes[c].def->name()});
+      }
+    }
     rewrite->swapped.push_back(t);
     rewrite->bytes_to_host += tensor.bytes;
     rewrite->copy_seconds += copy;
@@ -291,6 +316,14 @@ absl::Status ApplySwapRewrite(const SwapRewrite& rewrite, tensorflow::GraphDef* 
           absl::StrCat("swap: graph and table disagree at ", node->name()));
     }
     node->set_input(rewire.slot, rewire.input);
+  }
+  for (const SwapRewrite::Wait& wait : rewrite.waits) {
+    if (wait.node < 0 || wait.node >= graph->node_size() ||
+        graph->node(wait.node).name() != wait.node_name) {
+      return absl::InternalError(
+          absl::StrCat("swap: graph and table disagree at ", wait.node_name));
+    }
+    graph->mutable_node(wait.node)->add_input(absl::StrCat("^", wait.swap_out));
   }
   for (const NodeDef& added : rewrite.new_defs) *graph->add_node() = added;
   return absl::OkStatus();

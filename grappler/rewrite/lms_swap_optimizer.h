@@ -18,6 +18,9 @@
 // reader starts. swapin_lead_ops / swapin_lag_ops bound that distance in ops, as
 // TFLMS's lb / ub did in topological levels.
 //
+// On the CPU the producer's forward readers wait for the swap-out (a control
+// edge), so that the executor runs it at once whatever its thread count.
+//
 // Like RecomputeRewrite, a SwapRewrite carries the table and order the simulator
 // sees, and the same object edits the GraphDef.
 #ifndef TFMEMOPT_GRAPPLER_REWRITE_LMS_SWAP_OPTIMIZER_H_
@@ -68,6 +71,14 @@ struct SwapRewrite {
     std::string node_name;  // the reader's name, to check the graph against
   };
   std::vector<Rewire> rewires;
+  // A forward reader of a swapped tensor's producer waits for the swap-out (a
+  // control edge).
+  struct Wait {
+    int node;  // index in the input table (and graph)
+    std::string swap_out;
+    std::string node_name;
+  };
+  std::vector<Wait> waits;
   std::vector<int> swapped;  // input-table tensor indices, in order
   int num_swap_out = 0;
   int num_swap_in = 0;

@@ -53,9 +53,13 @@ void TableEdit::Begin(const TensorTable& table) {
   buffers = table.buffers.size();
   consumers.clear();
   inputs.clear();
+  control_inputs.clear();
 }
 
 void TableEdit::Undo(TensorTable* table) const {
+  for (auto it = control_inputs.rbegin(); it != control_inputs.rend(); ++it) {
+    table->nodes[it->first].control_inputs.resize(it->second);
+  }
   for (auto it = inputs.rbegin(); it != inputs.rend(); ++it) {
     table->nodes[std::get<0>(*it)].inputs[std::get<1>(*it)] = std::get<2>(*it);
   }
@@ -69,14 +73,17 @@ void TableEdit::Undo(TensorTable* table) const {
 
 absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
                                    const ControlFlowInfo& flow,
-                                   const std::vector<int>& nodes, RecomputeRewrite* rewrite) {
+                                   const std::vector<int>& nodes, RecomputeRewrite* rewrite,
+                                   bool early_triggers) {
   rewrite->table = base;
-  return RecomputeInPlace(&rewrite->table, order, flow, nodes, rewrite, nullptr);
+  return RecomputeInPlace(&rewrite->table, order, flow, nodes, rewrite, nullptr,
+                          early_triggers);
 }
 
 absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& nodes,
-                              RecomputeRewrite* rewrite, TableEdit* edit) {
+                              RecomputeRewrite* rewrite, TableEdit* edit,
+                              bool early_triggers) {
   TensorTable& table = *table_ptr;
   const int n = static_cast<int>(table.nodes.size());
   if (static_cast<int>(order.size()) != n) {
@@ -137,6 +144,10 @@ absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& or
     if (trigger[r] < 0) {
       return absl::InternalError(
           absl::StrCat("recompute: no trigger for ", table.nodes[r].def->name()));
+    }
+    if (early_triggers) {
+      const int earlier = LatestBackwardInput(table, flow, trigger[r], &position);
+      if (earlier >= 0) trigger[r] = earlier;
     }
   }
 

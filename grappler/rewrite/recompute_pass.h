@@ -62,6 +62,7 @@ struct TableEdit {
   size_t nodes = 0, tensors = 0, buffers = 0;
   std::vector<std::pair<int, std::vector<int>>> consumers;  // tensor, old list
   std::vector<std::tuple<int, int, int>> inputs;            // node, slot, old tensor
+  std::vector<std::pair<int, size_t>> control_inputs;       // node, old count
 
   void Begin(const TensorTable& table);
   void SaveConsumers(const TensorTable& table, int tensor) {
@@ -69,6 +70,10 @@ struct TableEdit {
   }
   void SaveInput(const TensorTable& table, int node, int slot) {
     inputs.emplace_back(node, slot, table.nodes[node].inputs[slot]);
+  }
+  // Before control inputs are appended to `node`.
+  void SaveControlInputs(const TensorTable& table, int node) {
+    control_inputs.emplace_back(node, table.nodes[node].control_inputs.size());
   }
   // Restores `table` to what it was at Begin().
   void Undo(TensorTable* table) const;
@@ -92,13 +97,20 @@ int LatestBackwardInput(const TensorTable& table, const ControlFlowInfo& flow, i
 // are skipped.
 absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
                                    const ControlFlowInfo& flow,
-                                   const std::vector<int>& nodes, RecomputeRewrite* rewrite);
+                                   const std::vector<int>& nodes, RecomputeRewrite* rewrite,
+                                   bool early_triggers = false);
 
 // The same, applied to `table` in place (rewrite->table stays empty); `edit`
 // records how to take it back. The planner simulates candidate plans this way.
+// early_triggers: each clone is triggered one backward step earlier (by its
+// trigger's own latest backward input, where there is one), so that the executor
+// can run it beside the consumer's last gradient input instead of behind that
+// input's other consumers. Which placement lowers the peak depends on the graph;
+// the planner simulates both.
 absl::Status RecomputeInPlace(TensorTable* table, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& nodes,
-                              RecomputeRewrite* rewrite, TableEdit* edit);
+                              RecomputeRewrite* rewrite, TableEdit* edit,
+                              bool early_triggers = false);
 
 // Applies `rewrite` to `graph`, the GraphDef the base table was built from.
 absl::Status ApplyRecomputeRewrite(const RecomputeRewrite& rewrite,

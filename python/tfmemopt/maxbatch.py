@@ -683,8 +683,8 @@ def time_interleaved(make_step, size, configs, cap_mb=None, rounds=5, steps_per_
 @dataclasses.dataclass
 class Comparison:
     """What compare() found: a search per configuration, the timing of each at `size`
-    (the baseline's largest, or the next below it if that ran out of memory when timed;
-    notes say so), and overhead[name] = t_name / t_baseline - 1 (medians; None where a
+    (the baseline's largest, or a smaller one (timing_sizes) if that ran out of memory
+    when timed; notes say so), and overhead[name] = t_name / t_baseline - 1 (medians; None where a
     timing failed). error: the TrialError that stopped the searches."""
 
     searches: dict
@@ -702,8 +702,8 @@ class Comparison:
         rounds = max(len(t.step_times) for t in self.timing.values())
         largest = self.searches[self.baseline].max_batch
         where = (f"{self.baseline}'s largest {size_label} ({self.size})" if self.size == largest
-                 else f"{size_label} {self.size}, the next below {self.baseline}'s largest "
-                      f"({largest})")
+                 else f"{size_label} {self.size}, below {self.baseline}'s largest "
+                      f"({largest}), which ran out of memory when timed")
         lines = [f"  note: {note}" for note in self.notes]
         lines.insert(0, f"step time at {where}, interleaved, median of {rounds} steps each:")
         for name, t in self.timing.items():
@@ -723,6 +723,18 @@ class Comparison:
                 "searches": {n: r.brief() for n, r in self.searches.items()},
                 "timing": {n: t.brief() for n, t in self.timing.items()},
                 "error": self.error}
+
+
+def timing_sizes(search, attempts=4):
+    """The sizes to time at, in turn, until one runs without running out of memory,
+    nearest the limit first: the search's largest, the next below it that trained in
+    the search, and 5 %, 10 %, ... below the largest; at most `attempts`."""
+    trained = sorted((t.size for t in search.trials if t.ok), reverse=True)
+    if not trained:
+        return []
+    largest = trained[0]
+    candidates = set(trained[:2]) | {int(largest * (1 - 0.05 * k)) for k in range(1, attempts)}
+    return sorted((size for size in candidates if size >= 1), reverse=True)[:attempts]
 
 
 def compare(make_step, lo, hi, configs, baseline, cap_mb=None, steps=2, strategy="bisect",
@@ -756,13 +768,14 @@ def compare(make_step, lo, hi, configs, baseline, cap_mb=None, steps=2, strategy
             out.searches[name], out.error = err.result, f"{name}: {err}"
             return out
     timed = [baseline] + [name for name in timed if name != baseline]
-    # Near the limit the peak moves with the executor's order, so the baseline's largest
-    # size may run out of memory when timed; then the next size below that trained in
-    # its search is timed instead (Comparison.size says which; notes say why).
-    sizes = sorted((t.size for t in out.searches[baseline].trials if t.ok), reverse=True)
+    # Near the limit the peak moves with the executor's order (a search trial runs two
+    # steps, a timing a dozen), so the baseline's largest size may run out of memory
+    # when timed; then smaller sizes are timed instead (timing_sizes; Comparison.size
+    # says which, notes say why).
+    sizes = timing_sizes(out.searches[baseline])
     if not sizes or len(timed) < 2:
         return out
-    for size in sizes[:2]:
+    for size in sizes:
         out.size = size
         out.timing = time_interleaved(make_step, size, {n: configs[n] for n in timed},
                                       cap_mb=cap_mb, rounds=rounds, step_kwargs=step_kwargs,

@@ -67,7 +67,7 @@ class Report:
     predicted_peak_bytes ({'before': {device: bytes}, 'after': {...}}),
     top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None),
     recompute (what recomputation did: policy, nodes, added_seconds, step_seconds,
-    feasible, checkpoints, left_alone, ...), swap (tensors, num_swap_out, num_swap_in,
+    feasible, search, checkpoints, left_alone, ...), swap (tensors, num_swap_out, num_swap_in,
     bytes_to_host, host_peak_bytes, copy_seconds), schedule (what the scheduling stage
     did before any swap or recompute: planned, num_edges, edges as [waited for, waiting]
     node names, peak_before_bytes and peak_after_bytes per device, simulations),
@@ -213,6 +213,8 @@ class Report:
         lines = [f"  recompute ({rc['policy']}): {len(rc['nodes'])} ops recomputed, "
                  f"+{100 * self.estimated_recompute_overhead:.1f}% predicted compute, "
                  f"{rc['num_triggers']} triggers, {rc['simulations']} plans simulated"]
+        if rc.get("search") == "exact":
+            lines[-1] += f" (exact search over {rc['exact_candidates']} candidates)"
         if rc["nodes"]:
             shown = ", ".join(rc["nodes"][:5]) + (", ..." if len(rc["nodes"]) > 5 else "")
             lines.append(f"    recomputed: {shown}")
