@@ -221,8 +221,11 @@ class Report:
         if rc.get("checkpoints"):
             lines.append(f"    checkpoints kept: {len(rc['checkpoints'])}")
         if not rc.get("feasible", True):
-            lines.append("    the budget cannot be met by recomputation; the plan applied "
-                         "reaches the smallest peak found")
+            means = "swapping and recomputation" if self.swap.get("planned") else "recomputation"
+            reached = ", ".join(f"{d} {format_bytes(b)}" for d, b in
+                                sorted(self.predicted_peak_bytes["after"].items()))
+            lines.append(f"    the budget cannot be met by {means}; the plan applied "
+                         f"reaches the smallest peak found ({reached})")
         if rc.get("left_alone"):
             why = ", ".join(f"{n} {reason}" for reason, n in sorted(rc["left_alone"].items()))
             lines.append(f"    forward ops never recomputed: {why}")
