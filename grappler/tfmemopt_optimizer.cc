@@ -143,6 +143,8 @@ void FillDeviceFigures(const TensorTable& table, const DeviceTimeline& timeline,
   device->live_peak_bytes = timeline.peak_bytes;
   device->peak_after_bytes = PredictedPeak(timeline);
   device->peak_step = timeline.peak_step;
+  device->allocator_refused_bytes = timeline.allocator_refused_bytes;
+  device->allocator_refused = timeline.allocator_refused;
   device->top_tensors_at_peak.clear();
   FillPeakTensors(table, timeline, device);
 }

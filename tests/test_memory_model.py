@@ -151,3 +151,37 @@ def test_bfc_regions_hold_three_tensors_just_below_256_mib_but_not_just_above():
     assert proc.returncode == 0, proc.stderr[-2000:]
     trials = json.loads(proc.stdout.strip().splitlines()[-1])["trials"]
     assert [(t["held"], t["fits"]) for t in trials] == [(3, True), (2, False)]
+
+
+def test_the_allocator_model_runs_out_of_memory_where_bfc_does_below_the_cap():
+    # seed000's CNN under a 1024 MiB cap trains batch 1820 and runs out of memory at
+    # 1821 with any plan (benchmarks/seed000.py), though its peak is far below the cap:
+    # BFC cannot place a 256.08 MiB tensor in its regions (see the test above).
+    code = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import tfmemopt, models
+out = {}
+for batch in (1820, 1821):
+    step, (x, y) = models.seed_cnn(batch)
+    report = tfmemopt.analyze(step, x, y, log_level=0)
+    device = report.to_dict()["devices"][0]
+    out[batch] = [device["peak_after_bytes"], device["allocator_refused_bytes"],
+                  device["allocator_refused"], report.fits, report.to_text()]
+print("RESULT " + json.dumps(out))
+"""
+    from conftest import BENCHMARKS
+
+    proc = run_python(code, BENCHMARKS, env={
+        "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
+        "TF_CPP_MIN_LOG_LEVEL": "2"})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    peak, refused, what, fits, _ = result["1820"]
+    assert refused == 0 and what == "" and fits
+    peak, refused, what, fits, text = result["1821"]
+    assert peak < 0.9 * 1024 * MIB  # the peak alone says it fits...
+    assert refused == 1821 * 24 * 24 * 64 * 4 and what.endswith("MaxPoolGrad")
+    assert fits is False  # ...the allocator model says it does not
+    assert f"BFC runs out of memory allocating 256.08 MiB for {what}" in text

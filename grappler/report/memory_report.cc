@@ -112,7 +112,10 @@ std::string MemoryReport::ToJson() const {
         << ",\"peak_step\":" << d.peak_step
         << ",\"planned_peak_bytes\":" << d.planned_peak_bytes
         << ",\"max_op_working_set_bytes\":" << d.max_op_working_set_bytes
-        << ",\"max_op_working_set_op\":" << Quote(d.max_op_working_set_op) << ",\"top_tensors_at_peak\":[";
+        << ",\"max_op_working_set_op\":" << Quote(d.max_op_working_set_op)
+        << ",\"allocator_refused_bytes\":" << d.allocator_refused_bytes
+        << ",\"allocator_refused\":" << Quote(d.allocator_refused)
+        << ",\"top_tensors_at_peak\":[";
     for (size_t j = 0; j < d.top_tensors_at_peak.size(); ++j) {
       const PeakTensor& t = d.top_tensors_at_peak[j];
       out << (j ? "," : "") << "{\"name\":" << Quote(t.name) << ",\"op\":" << Quote(t.op)

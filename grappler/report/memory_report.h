@@ -44,6 +44,10 @@ struct DeviceReport {
   // below persistent_bytes plus this.
   int64_t max_op_working_set_bytes = 0;
   std::string max_op_working_set_op;
+  // The first allocation BFC's model could not place in the plan's simulation (0
+  // bytes: none): TF would run out of memory there even below the limit.
+  int64_t allocator_refused_bytes = 0;
+  std::string allocator_refused;
 };
 
 // Fills DeviceReport::max_op_working_set_* for `device` from `table`.

@@ -405,7 +405,12 @@ class AllocatorListener : public Listener {
   void Step(size_t step) override {
     const int n = order_[step];
     if (device_of_node_[n] == device_ && table_.nodes[n].temp_bytes > 0) {
-      allocator_->Free(allocator_->Allocate(table_.nodes[n].temp_bytes));
+      const int64_t chunk = allocator_->Allocate(table_.nodes[n].temp_bytes);
+      if (chunk < 0) {
+        Refused(table_.nodes[n].temp_bytes,
+                absl::StrCat("scratch of ", table_.nodes[n].def->name()));
+      }
+      allocator_->Free(chunk);
     }
     // The measured step, kernel by kernel, for benchmarks/trace_step_memory.py.
     if (VLOG_IS_ON(2) && log_) {
@@ -417,8 +422,17 @@ class AllocatorListener : public Listener {
     step_bytes_ = 0;
   }
   void set_log(bool log) { log_ = log; }
+  // The first allocation the model refused (0 bytes if none).
+  int64_t refused_bytes() const { return refused_bytes_; }
+  const std::string& refused() const { return refused_; }
 
  private:
+  void Refused(int64_t bytes, std::string what) {
+    if (refused_bytes_ > 0) return;
+    refused_bytes_ = bytes;
+    refused_ = std::move(what);
+  }
+
   bool Mine(int b) const { return device_of_buffer_[b] == device_; }
 
   // A buffer of several pieces is several chunks; the id of its first piece
@@ -426,11 +440,17 @@ class AllocatorListener : public Listener {
   int64_t Allocate(int b) {
     const BufferInfo& buffer = table_.buffers[b];
     const int64_t piece = buffer.pieces > 1 ? buffer.bytes / buffer.pieces : 0;
-    if (piece <= 0) return allocator_->Allocate(buffer.bytes);
-    const int64_t first = allocator_->Allocate(piece);
-    if (first < 0) return first;
+    const int64_t first = allocator_->Allocate(piece > 0 ? piece : buffer.bytes);
+    if (first < 0) {
+      Refused(piece > 0 ? piece : buffer.bytes, table_.TensorName(buffer.owner));
+      return first;
+    }
+    if (piece <= 0) return first;
     std::vector<int64_t>& rest = pieces_[first];
-    for (int64_t i = 1; i < buffer.pieces; ++i) rest.push_back(allocator_->Allocate(piece));
+    for (int64_t i = 1; i < buffer.pieces; ++i) {
+      rest.push_back(allocator_->Allocate(piece));
+      if (rest.back() < 0) Refused(piece, table_.TensorName(buffer.owner));
+    }
     return first;
   }
   void Free(int64_t chunk) {
@@ -454,6 +474,8 @@ class AllocatorListener : public Listener {
   absl::flat_hash_map<int64_t, std::vector<int64_t>> pieces_;  // first piece -> the others
   int64_t step_bytes_ = 0;  // allocated by the current step
   bool log_ = false;
+  int64_t refused_bytes_ = 0;
+  std::string refused_;
 };
 
 int DeviceIndex(const std::vector<std::string>& devices, const std::string& device) {
@@ -666,6 +688,8 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
       device.allocator_peak_bytes =
           std::max(device.allocator_peak_bytes, allocator.peak_bytes_in_use());
     }
+    device.allocator_refused_bytes = listener.refused_bytes();
+    device.allocator_refused = listener.refused();
   }
   for (DeviceTimeline& timeline : result->devices) {
     std::sort(timeline.live_at_peak.begin(), timeline.live_at_peak.end(),

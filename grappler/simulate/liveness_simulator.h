@@ -50,6 +50,12 @@ struct DeviceTimeline {
   int64_t allocator_peak_bytes = 0;
   // That peak for each measured step, in order.
   std::vector<int64_t> allocator_step_peak_bytes;
+  // The first allocation the allocator model could not place, or 0 bytes: BFC would
+  // run out of memory there even when the peak is below its limit, because a tensor
+  // must fit in one of its regions (which start at 2 MiB, double and never merge).
+  int64_t allocator_refused_bytes = 0;
+  std::string allocator_refused;  // the tensor, or "scratch of <node>"
+
   // Host bytes held off the device by swapped-out tensors at each step (filled by
   // the report, empty when nothing is swapped).
   std::vector<int64_t> host_bytes;

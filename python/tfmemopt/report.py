@@ -65,7 +65,10 @@ class Report:
     num_nodes, num_tensors, unresolved_tensors, devices (list of device names),
     budget_bytes ({device: bytes}, 0 = unknown), persistent_bytes ({device: bytes}),
     predicted_peak_bytes ({'before': {device: bytes}, 'after': {...}}),
-    top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None),
+    top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None;
+    False also when the allocator model ran out of memory: to_dict()'s devices carry
+    allocator_refused_bytes and allocator_refused, the first allocation BFC's model could
+    not place),
     recompute (what recomputation did: policy, nodes, added_seconds, step_seconds,
     feasible, search, checkpoints, left_alone, ...), swap (tensors, num_swap_out, num_swap_in,
     bytes_to_host, host_peak_bytes, copy_seconds), schedule (what the scheduling stage
@@ -146,11 +149,13 @@ class Report:
 
     @property
     def fits(self):
-        """True/False when every device has a known budget, else None."""
+        """True/False when every device has a known budget, else None. False also when
+        the allocator model ran out of memory (a device's allocator_refused_bytes)."""
         if not self.devices or any(b <= 0 for b in self.budget_bytes.values()):
             return None
         after = self.predicted_peak_bytes["after"]
-        return all(after[d] <= self.budget_bytes[d] for d in self.devices)
+        refused = any(d.get("allocator_refused_bytes") for d in self._data["devices"])
+        return not refused and all(after[d] <= self.budget_bytes[d] for d in self.devices)
 
     def to_dict(self):
         return json.loads(json.dumps(self._data))
@@ -174,6 +179,14 @@ class Report:
                 + (f", live tensors at the peak {format_bytes(d['live_peak_bytes'])}"
                    f" (BFC allocator model)" if d.get("allocator") == "bfc" else "")
             )
+            if d.get("allocator_refused_bytes"):
+                lines.append(
+                    f"  {name}: BFC runs out of memory allocating "
+                    f"{format_bytes(d['allocator_refused_bytes'])} for {d['allocator_refused']}:"
+                    " no free chunk of its regions is that large (a tensor must fit in one"
+                    " region; they start at 2 MiB, double and are never merged), although"
+                    " the peak is below the device's memory"
+                )
         if self.unresolved_tensors:
             examples = ", ".join(self._data["unresolved_examples"])
             lines.append(
