@@ -313,6 +313,18 @@ def run_pass(metagraph_bytes, **fields):
     return json.loads(report), graph, json.loads(table)
 
 
+def output_table(metagraph_bytes, graph):
+    """The table of our output graph, analyzed afresh as the verify stage does (its
+    `order` is the executor order the simulator replays it in)."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    metagraph = meta_graph_pb2.MetaGraphDef()
+    metagraph.ParseFromString(metagraph_bytes)
+    metagraph.graph_def.CopyFrom(graph)
+    _, _, table = run_pass(metagraph.SerializeToString(), mode="ANALYZE_ONLY")
+    return table
+
+
 def load(name):
     """The graph's TF-optimized MetaGraphDef bytes; of several variants (largest
     first), the first with at most MAX_NODES nodes (else the last)."""
@@ -384,7 +396,7 @@ def evaluate(name, metagraph_bytes, fractions, time_limit, log=print):
             case["ours_peak"] = ours_device["planned_peak_bytes"] if planned else before
             # The verify stage's own topological order of the output graph.
             case["ours_verify_peak"] = ours_device["peak_after_bytes"]
-        ours = cm.our_schedule(model, ours_graph)
+        ours = cm.our_schedule(model, output_table(metagraph_bytes, ours_graph))
         ours_replay = cm.replay(model, ours.steps)
         case["ours_replay"] = ours_replay
         case["ours_checkmate_exact"] = ours.checkmate_exact
