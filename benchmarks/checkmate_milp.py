@@ -11,33 +11,61 @@ which make FREE[t,v,k] exactly R[t,k] * (1 - S[t+1,v]) * prod (1 - R[t,j]).
 The objective is the compute of every R[t,i] = 1 beyond the one run of each node.
 
 The model is built from `table_json` (tfmemopt._ext.run_pass(..., export_table=True)),
-the table the planner analyzed, so that both see the same graph:
+the table the planner analyzed, so that both see the same graph, and it counts memory
+by the simulator's rules (grappler/simulate/liveness_simulator.cc):
 
-* Values are the table's non-persistent buffers with bytes > 0 (a buffer is what the
-  simulator allocates and frees; a forwarding op such as Identity or Reshape shares
-  its input's buffer, so it is contracted onto that buffer: whoever reads the
-  forwarded tensor reads the buffer). S, FREE and the memory terms are per value;
-  R is per node (recomputing a node regenerates all the values it owns).
-* Stages are the nodes of the table's `order` that own a value, read one, or have
-  temp bytes; the other nodes (constants, variable handles, ReadVariableOps that
-  forward the variable, NoOps) neither allocate nor free anything the simulator
-  counts, so their steps cannot hold the peak. "Nodes" (the size of a graph, at most
-  40 in the benchmark) counts only the stages that own a value: reader-only stages
-  (variable updates, forwarding ops) add no decision.
-* Costs are the table's compute_seconds; bytes, temp bytes and persistent bytes are
-  the table's (persistent bytes are a constant taken off the budget; a node's temp
-  bytes count while it runs: U[t,k] + temp_k * R[t,k] <= budget - persistent).
+* The stages follow the table's `order`, which is the order the simulator replays the
+  unplanned graph in (ExecutorOrder: TF's executor's scheduling, emulated).
+* Values are the table's buffers that are neither persistent nor caller-held
+  (`external`: the function's inputs, live through the whole step) with bytes > 0,
+  plus kernels' extra buffers (`extra_buffers`, oneDNN's MaxPool workspace), which
+  are owned by their kernel and read by the node that releases them (`released_by`).
+  A forwarding op such as Identity or Reshape shares its input's buffer, so it is
+  contracted onto that buffer: whoever reads the forwarded tensor reads the buffer.
+  S, FREE and the memory terms are per value; R is per node (recomputing a node
+  regenerates all the values it owns).
+* Stages are the nodes of the order that own a value, read one, or have temp bytes;
+  the other nodes (constants, variable handles, ReadVariableOps that forward the
+  variable, NoOps) allocate and free nothing the simulator counts, so their steps
+  cannot hold the peak. "Nodes" (the size of a graph, at most 40 in the benchmark)
+  counts only the stages that own a value: reader-only stages (variable updates,
+  forwarding ops) add no decision.
+* Costs are the table's compute_seconds; bytes and temp bytes are the table's.
+  Persistent and caller-held bytes are a constant taken off the budget; a node's temp
+  bytes count while it runs: U[t,k] + temp_k * R[t,k] <= budget - resident.
 * Fetched values are kept from their production to the end (S = 1, never FREE).
-* The decision space is the planner's: only forward nodes whose `recomputable` is ""
-  (and which own a value) may run in a stage other than their own. Unlike our
-  planner, Checkmate may recompute a node in several stages (that is its bar).
+* In-place reuse (the simulator's TakeOver): output 0 of node k takes over the buffer
+  of a reusable input (`reusable_inputs`, same bytes, read once by k) when k is that
+  buffer's last reader. In Checkmate's terms that is exactly FREE[t,v,k] = 1, so a
+  variable 0 <= REUSE[t,k] <= sum of those FREEs takes the output's bytes off U[t,k]
+  (the bytes after the step are the same either way). This is exact: the reuse
+  depends on the schedule only through FREE, which the MILP already decides.
+* Copy-on-write (`updated_variables`): an update of a variable while reads of its
+  value made before the update are still pending copies the variable, and the copy
+  lives until the last such read. The original readers are fixed in the order; a
+  recomputation (in a later stage) of a node that reads the value is one more
+  pending read, so COPY[t,k] >= R of every later such recomputation, and COPY[t,k]
+  = 1 while an original read is still to come; its bytes count in U[t,k].
+* The decision space: only forward nodes whose `recomputable` is "" (and which own a
+  value) may run in a stage other than their own. With backward_only (what the
+  benchmark compares with), only in the stage of a backward node: our recompute pass
+  clones a node only for backward readers, so that is the planner's space. Without it,
+  in any later stage (Checkmate's own space, which can also drop a forward activation
+  between two forward readers). Unlike our planner, Checkmate may recompute a node in
+  several stages (that is its bar).
 
-Differences from our simulator (liveness_simulator.cc) that remain:
+Differences from our simulator that remain (each only makes the MILP count more than
+the replay of its own schedule, never less, so its schedules fit when its rows do;
+the benchmark checks every one by replay):
 * Checkmate's memory is counted per stage: a value kept into a stage but read by
   nobody in it is only dropped at the stage's end (the optimum never keeps such a
   value, so this only removes useless solutions), and a value both kept and
   recomputed in one stage counts twice (as in the simulator, where the original and
-  the clone are both live).
+  the clone are both live). A recomputed owner of an extra buffer that no releasing
+  node reads allocates its workspace in the MILP (the simulator binds the workspace
+  to the instance that MaxPoolGrad reads), again only in useless solutions.
+  Copy-on-write is counted per step of the stage sequence (a recomputation in the
+  stage of the update runs before the update and holds no copy).
 * A clone of a forwarding op (our planner clones Reshape/Identity views of a
   recomputed buffer for their backward readers) is free in the MILP: the view is
   contracted onto its buffer. The estimator charges 1e-9 s for such ops, so our
@@ -45,18 +73,21 @@ Differences from our simulator (liveness_simulator.cc) that remain:
 * Memory enters the MILP in MiB (bytes / 2**20, exact in floating point) and HiGHS
   accepts rows within its feasibility tolerance (1e-7 of a MiB, a fraction of a byte,
   for exact 0/1 values): the replay of the rounded schedule is what is checked.
-* Our planner and verify stage run a plan in Grappler's topological order of the
-  output graph (breadth-first; grappler/simulate/execution_order.cc). A clone then
-  runs where that order puts it, and in Checkmate's terms it is a recompute in the
-  stage of the next original node. When a clone also delays an original node past
-  others (its backward reader waits for it), the plan runs in another order than
-  the table's, and is not exactly a Checkmate schedule on the MILP's stages (the
-  benchmark counts these cases). Checkmate may recompute anywhere, several times,
-  and orders each stage's recomputations freely.
+* The order. Checkmate (like the paper) fixes it: the MILP's schedule runs the
+  table's order with each stage's recomputations right before its node, and that is
+  the order its replay uses (milp_steps). Our planner and verify stage run a plan in
+  the executor order that the simulator emulates on the output graph, in which a
+  clone runs where the executor would run it; in Checkmate's terms it is a recompute
+  in the stage of the next original node. When a clone also moves original nodes
+  (the executor runs what is ready, and the clone delays its backward reader), the
+  plan is not exactly a Checkmate schedule on the MILP's stages (the benchmark counts
+  these cases). Checkmate may recompute anywhere, several times, and orders each
+  stage's recomputations freely.
 
-Every solution is checked by replay() (a plain-Python liveness simulation with the
-simulator's rules, run on the schedule itself, not on the MILP's U), and our
-planner's output graph is replayed by the same function (our_schedule()).
+Every solution is checked by replay() (simulate(): a plain-Python re-implementation
+of the simulator's rules, run on the schedule rewritten as a table, not on the
+MILP's U), and our planner's output graph, analyzed afresh as the verify stage does,
+is replayed by the same function in its executor order (our_schedule()).
 """
 
 import dataclasses
@@ -281,16 +312,18 @@ class Solution:
     variables: int
     message: str
     mip_gap: float = None
+    objective_bytes: int = None  # minimize_peak: the MILP's own peak (U), persistent included
 
 
 def solve(model, budget_bytes=None, time_limit=60.0, mip_rel_gap=1e-6, fixed_recompute=None,
-          minimize_peak=False, once=False):
+          minimize_peak=False, once=False, backward_only=False):
     """Solves Checkmate's MILP for `budget_bytes` (a device budget, persistent bytes
     included), or, with minimize_peak, the lowest peak reachable (objective: the peak;
     the compute is ignored). fixed_recompute: {(t, i)} forces exactly these R[t,i] = 1
     for t != i (all others 0): a given schedule, checked for feasibility. once: each
     node is recomputed at most once (our planner's restriction; a diagnostic, not
-    Checkmate)."""
+    Checkmate). backward_only: recomputations only in the stages of backward nodes
+    (our planner's space; see the module docstring)."""
     n = model.n
     b = _Builder()
     start = time.perf_counter()
@@ -306,6 +339,8 @@ def solve(model, budget_bytes=None, time_limit=60.0, mip_rel_gap=1e-6, fixed_rec
         R[t][t] = ONE
         for i in range(t):
             if not model.recomputable[i]:
+                continue
+            if backward_only and not model.table["nodes"][model.stage_nodes[t]]["backward"]:
                 continue
             if fixed_recompute is not None:
                 if (t, i) in fixed_recompute:
@@ -446,11 +481,12 @@ def solve(model, budget_bytes=None, time_limit=60.0, mip_rel_gap=1e-6, fixed_rec
                if R[t][i] == ONE or (R[t][i] != ZERO and x[R[t][i][1]] == 1)]
         added += sum(model.cost[i] for i in run if i != t)
         schedule.append((t, run))
-    peak_bytes = None
+    peak_bytes = objective = None
     if minimize_peak:  # the exact peak of the schedule found
         peak_bytes = replay(model, milp_steps(model, schedule))
+        objective = int(round(res.fun * MIB)) + model.persistent_bytes
     return Solution(status, status == "optimal", added, peak_bytes, schedule, seconds, variables,
-                    res.message, gap)
+                    res.message, gap, objective)
 
 
 ONE = (1.0, None)
