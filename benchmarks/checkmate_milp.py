@@ -507,10 +507,6 @@ def _compact(terms):
 
 # ---- Replay: the simulator's rules on a table and an order ----------------------
 
-def _field(entry, key, default):
-    return entry.get(key, default)
-
-
 def simulate(table, order):
     """Peak bytes (persistent included) of replaying `table` (a table_json, or a
     schedule's table from milp_steps) in `order`, by liveness_simulator.cc's rules
@@ -535,7 +531,7 @@ def simulate(table, order):
     buffer_of = [t["buffer"] for t in tensors]
     resource = [t.get("dtype", "DT_FLOAT") == "DT_RESOURCE" for t in tensors]
     persistent = [b["persistent"] for b in buffers]
-    external = [_field(b, "external", False) for b in buffers]
+    external = [b.get("external", False) for b in buffers]
     size = [int(b["bytes"]) for b in buffers]
     consumers = [[] for _ in tensors]
     for n, node in enumerate(nodes):
@@ -571,7 +567,7 @@ def simulate(table, order):
     tensor_generation = [0] * len(tensors)
     released_here = {}
     for b, buffer in enumerate(buffers):
-        if _field(buffer, "released_by", -1) >= 0:
+        if buffer.get("released_by", -1) >= 0:
             released_here.setdefault(buffer["released_by"], []).append(b)
     resident = sum(size[b] for b in range(len(buffers)) if persistent[b])
     peak = None
@@ -584,7 +580,7 @@ def simulate(table, order):
 
     def take_over(node, n, t):
         own = buffer_of[t]
-        for port in _field(node, "reusable_inputs", []):
+        for port in node.get("reusable_inputs", []):
             u = node["inputs"][port]
             if not forward(u, n):
                 continue
@@ -615,10 +611,10 @@ def simulate(table, order):
                 transient -= size[reused]
             live[own] = True
             transient += size[own]
-        for b in _field(node, "extra_buffers", []):
+        for b in node.get("extra_buffers", []):
             live[b] = True
             transient += size[b]
-        for port in _field(node, "updated_variables", []):
+        for port in node.get("updated_variables", []):
             b = resolve(buffer_of[node["inputs"][port]])
             if not persistent[b] or value_reads[b] == 0:
                 continue
@@ -645,19 +641,14 @@ def simulate(table, order):
             release(b)
         for t in node["outputs"]:
             release(resolve(buffer_of[t]))
-
-        def free_extra(b):
-            nonlocal transient
+        # Extra buffers go after their reader has run, or at once without one.
+        extra = [b for b in node.get("extra_buffers", [])
+                 if buffers[b].get("released_by", -1) < 0
+                 or position[buffers[b]["released_by"]] <= position[n]]
+        for b in extra + released_here.get(n, []):
             if live[b]:
                 live[b] = False
                 transient -= size[b]
-
-        for b in _field(node, "extra_buffers", []):
-            reader = _field(buffers[b], "released_by", -1)
-            if reader < 0 or position[reader] <= position[n]:
-                free_extra(b)
-        for b in released_here.get(n, []):
-            free_extra(b)
     return peak or 0
 
 

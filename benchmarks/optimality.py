@@ -57,7 +57,20 @@ Our plans often do not keep the order: in the executor's order a clone runs when
 is ready, and the original nodes around it can move too. Checkmate (like the paper)
 fixes the order, so for those plans the optimum is the best fixed-order schedule, not
 a lower bound: ratios below 1 then come from the reordering ("below_optimum",
-"reordered"; the *_same_order keys count only plans that keep the order).
+"reordered"; the *_same_order keys count only plans that keep the order). It cuts
+both ways: a MILP schedule runs in the table's order, which a rewritten graph only
+follows if control edges enforce it (Checkmate's rewrite does; our recompute pass
+adds only the clones' trigger edges), and the executor may run our clone's backward
+reader later than the MILP's stage order does, past other big steps. Ratios above 1
+on reordered plans come from that (e.g. dag7: recomputing `add` alone, the MILP's
+0.35 ms plan, raises the peak in the executor's order of the rewritten graph, with
+the trigger at any of the reader's backward inputs).
+
+Known reasons for "missed" budgets (the MILP fits, our plan does not): the MILP may
+recompute a node several times; it may keep the original for early backward readers
+and recompute for later ones (our clone serves all backward readers); and our planner
+never recomputes an input of an AddN of 3+ inputs (pinned, so that the sum's order
+and its last bits do not change), which the MILP does not know about (dag4).
 
 Usage: python benchmarks/optimality.py [--json] [--time-limit 30] [--only NAME ...]
 --json prints one JSON object as the last line:
