@@ -62,9 +62,11 @@ both ways: a MILP schedule runs in the table's order, which a rewritten graph on
 follows if control edges enforce it (Checkmate's rewrite does; our recompute pass
 adds only the clones' trigger edges), and the executor may run our clone's backward
 reader later than the MILP's stage order does, past other big steps. Ratios above 1
-on reordered plans come from that (e.g. dag7: recomputing `add` alone, the MILP's
-0.35 ms plan, raises the peak in the executor's order of the rewritten graph, with
-the trigger at any of the reader's backward inputs).
+on reordered plans come from that (e.g. dag7: recomputing `add` alone for
+gradient_tape/mul/Mul, the MILP's 0.35 ms plan, raises the peak from 26.29 to 26.86
+MiB in the executor's order of the rewritten graph, whether the clone's trigger edge
+comes from the reader's backward input gradient_tape/mul_1/Mul or from another
+backward node just before it; hand-made rewrites, replayed like our plans).
 
 Known reasons for "missed" budgets (the MILP fits, our plan does not): the MILP may
 recompute a node several times; it may keep the original for early backward readers
