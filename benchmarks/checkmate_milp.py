@@ -230,7 +230,7 @@ def build_model(table):
             last_read, clone_readers = -1, set()
             for c, reader in enumerate(nodes):
                 for t in reader["inputs"]:
-                    if (tensors[t]["buffer"] != b or tensors[t].get("dtype") == "DT_RESOURCE"
+                    if (tensors[t]["buffer"] != b or tensors[t].get("dtype") == "resource"
                             or position[tensors[t]["node"]] > position[u]):
                         continue
                     if position[c] > position[u]:
@@ -529,7 +529,7 @@ def simulate(table, order):
     if len(position) != len(nodes):
         raise ValueError(f"simulate: the order covers {len(position)} of {len(nodes)} nodes")
     buffer_of = [t["buffer"] for t in tensors]
-    resource = [t.get("dtype", "DT_FLOAT") == "DT_RESOURCE" for t in tensors]
+    resource = [t.get("dtype") == "resource" for t in tensors]
     persistent = [b["persistent"] for b in buffers]
     external = [b.get("external", False) for b in buffers]
     size = [int(b["bytes"]) for b in buffers]

@@ -100,7 +100,7 @@ def reuse_and_update_table():
     nodes, tensors, buffers = [], [], []
 
     def node(name, inputs, size, backward=False, persistent=False, external=False,
-             dtype="DT_FLOAT", reusable=(), updated=(), buffer=None):
+             dtype="float", reusable=(), updated=(), buffer=None):
         n = len(nodes)
         t = len(tensors)
         if buffer is None:
@@ -119,7 +119,7 @@ def reuse_and_update_table():
         return t
 
     x = node("x", [], MIB, external=True)
-    w = node("W", [], MIB, persistent=True, dtype="DT_RESOURCE")
+    w = node("W", [], MIB, persistent=True, dtype="resource")
     read = node("R", [w], MIB, buffer=tensors[w]["buffer"])
     a = node("A", [x], 2 * MIB, reusable=[0])
     m = node("M", [a, read], 4 * MIB)
@@ -146,8 +146,48 @@ def test_replay_counts_in_place_reuse_caller_inputs_and_copy_on_write():
     assert cm.simulate(no_copy, no_copy["order"]) == 8 * MIB
 
 
+def workspace_table():
+    """x (caller's, 1 MiB) -> P (1 MiB, plus a 1 MiB workspace that G releases, like
+    oneDNN's MaxPool) -> Q (2 MiB); G(P, Q) (1 MiB) is backward."""
+    nodes, tensors, buffers = [], [], []
+
+    def node(name, inputs, size, backward=False, external=False):
+        n, t = len(nodes), len(tensors)
+        buffers.append({"owner": t, "bytes": size, "host_bytes": 0, "persistent": False,
+                        "device": "CPU:0", "external": external, "released_by": -1,
+                        "pieces": 1})
+        tensors.append({"node": n, "port": 0, "bytes": size, "buffer": len(buffers) - 1,
+                        "role": "activation", "dtype": "float"})
+        nodes.append({"name": name, "op": name, "device": "CPU:0", "backward": backward,
+                      "stateful": False, "compute_seconds": 0.1, "temp_bytes": 0,
+                      "inputs": inputs, "outputs": [t], "control_inputs": [],
+                      "recomputable": "backward" if backward else "",
+                      "reusable_inputs": [], "updated_variables": [], "extra_buffers": []})
+        return t
+
+    x = node("x", [], MIB, external=True)
+    p = node("P", [x], MIB)
+    q = node("Q", [p], 2 * MIB)
+    node("G", [p, q], MIB, backward=True)
+    buffers.append({"owner": p, "bytes": MIB, "host_bytes": 0, "persistent": False,
+                    "device": "CPU:0", "external": False, "released_by": 3, "pieces": 1})
+    nodes[1]["extra_buffers"].append(len(buffers) - 1)
+    return {"nodes": nodes, "tensors": tensors, "buffers": buffers,
+            "order": [0, 1, 2, 3], "fetch": [], "devices": ["CPU:0"]}
+
+
+def test_a_kernel_workspace_lives_until_its_releasing_node_has_run():
+    table = workspace_table()
+    # At G: x, P, its workspace, Q and G: 6 MiB.
+    assert cm.simulate(table, table["order"]) == 6 * MIB
+    model = cm.build_model(table)
+    workspace = model.value_buffer.index(4)
+    assert model.name(model.value_owner[workspace]) == "P"
+    assert [model.name(s) for s in model.value_readers[workspace]] == ["G"]
+
+
 def test_milp_counts_what_the_replay_counts():
-    for table in (reuse_and_update_table(), chain_table()):
+    for table in (reuse_and_update_table(), chain_table(), workspace_table()):
         model = cm.build_model(table)
         lowest = cm.solve(model, minimize_peak=True, time_limit=30)
         assert lowest.status == "optimal"

@@ -22,9 +22,9 @@ namespace tfmemopt {
 //  "buffers": [{"owner", "bytes", "host_bytes", "persistent", "device", "external",
 //               "released_by": node or -1, "pieces"}],
 //  "order": [node], "fetch": [tensor], "devices": [name]}
-// The fields are NodeInfo's, TensorInfo's and BufferInfo's (dtype: DataTypeString);
-// `order` is the order the simulator replays (ExecutorOrder), so that a replay of
-// the table in Python can follow the simulator's rules exactly.
+// The fields are NodeInfo's, TensorInfo's and BufferInfo's (dtype: DataTypeString,
+// e.g. "float", "resource"); `order` is the order the simulator replays (ExecutorOrder),
+// so that a replay of the table in Python can follow the simulator's rules exactly.
 std::string TensorTableJson(const TensorTable& table, const std::vector<int>& order,
                             const ControlFlowInfo& flow, const MemoryOptimizerOptions& options);
 
