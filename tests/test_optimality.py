@@ -90,31 +90,113 @@ def test_a_fixed_schedule_outside_the_decision_space_is_refused():
     assert cm.solve(model, 11 * MIB, fixed_recompute={(5, 1)}).status == "optimal"
 
 
-def test_grappler_order_is_breadth_first_in_node_order():
-    from tensorflow.core.framework import graph_pb2
+def reuse_and_update_table():
+    """x (caller's input, 1 MiB) -> A (2 MiB) -> B (2 MiB); W is a variable (1 MiB)
+    read by M(A, W) (4 MiB) and updated by U(W, M) before G(B, W) reads it.
 
-    graph = graph_pb2.GraphDef()
-    for name, inputs in [("a", []), ("d", ["b", "^c"]), ("b", ["a"]), ("c", ["a:1"]),
-                         ("e", ["a"])]:
-        node = graph.node.add()
-        node.name, node.op = name, "NoOp"
-        node.input.extend(inputs)
-    # a's fan-outs in node order: b (2), c (3), e (4); d (1) waits for b and c.
-    assert cm.grappler_order(graph) == ["a", "b", "c", "e", "d"]
-    graph.node[0].input.append("^d")
-    with pytest.raises(ValueError, match="cycle"):
-        cm.grappler_order(graph)
+    Order: x, W, R=ReadVariableOp(W), A, M(A, R), B(A), U(W, M), G(B, R). B is A's last
+    reader and reusable: it takes A's buffer over. U updates W while G's read of R is
+    still pending: W is copied (1 MiB) until G has run."""
+    nodes, tensors, buffers = [], [], []
+
+    def node(name, inputs, size, backward=False, persistent=False, external=False,
+             dtype="float", reusable=(), updated=(), buffer=None):
+        n = len(nodes)
+        t = len(tensors)
+        if buffer is None:
+            buffer = len(buffers)
+            buffers.append({"owner": t, "bytes": size, "host_bytes": 0,
+                            "persistent": persistent, "device": "CPU:0", "external": external,
+                            "released_by": -1, "pieces": 1})
+        tensors.append({"node": n, "port": 0, "bytes": size, "buffer": buffer,
+                        "role": "gradient" if backward else "activation", "dtype": dtype})
+        nodes.append({"name": name, "op": name, "device": "CPU:0", "backward": backward,
+                      "stateful": False, "compute_seconds": 0.1, "temp_bytes": 0,
+                      "inputs": inputs, "outputs": [t], "control_inputs": [],
+                      "recomputable": "backward" if backward else "",
+                      "reusable_inputs": list(reusable), "updated_variables": list(updated),
+                      "extra_buffers": []})
+        return t
+
+    x = node("x", [], MIB, external=True)
+    w = node("W", [], MIB, persistent=True, dtype="resource")
+    read = node("R", [w], MIB, buffer=tensors[w]["buffer"])
+    a = node("A", [x], 2 * MIB, reusable=[0])
+    m = node("M", [a, read], 4 * MIB)
+    b = node("B", [a], 2 * MIB, reusable=[0])
+    node("U", [w, m], 0, backward=True, updated=[0])
+    node("G", [b, read], 2 * MIB, backward=True)
+    return {"nodes": nodes, "tensors": tensors, "buffers": buffers,
+            "order": list(range(len(nodes))), "fetch": [], "devices": ["CPU:0"]}
 
 
-# The benchmark's replay and MILP count plain liveness along Grappler's topological
-# order. The simulator now models the executor's order, in-place buffer reuse,
-# caller-held inputs and copy-on-write of variable updates (the accurate memory model,
-# issue 3), which benchmarks/checkmate_milp.py does not yet: its replays disagree with
-# the planner's peaks, so its comparison is not on one memory model. Strict: these
-# start passing (and must be unmarked) once the benchmark is ported (issue 6).
-NOT_PORTED_TO_THE_SIMULATOR = pytest.mark.xfail(strict=True, reason=(
-    "checkmate_milp's replay and MILP predate the simulator's executor order, in-place "
-    "reuse and caller-held inputs"))
+def test_replay_counts_in_place_reuse_caller_inputs_and_copy_on_write():
+    table = reuse_and_update_table()
+    # W and x (1 MiB each) are resident. B takes A's buffer over (B's step: W, x, M,
+    # B = 8 MiB); at U, W's copy joins W, x, B and M: 9 MiB.
+    assert cm.simulate(table, table["order"]) == 9 * MIB
+    # Without the reuse, A and B are both live at B's step: 10 MiB.
+    no_reuse = reuse_and_update_table()
+    for node in no_reuse["nodes"]:
+        node["reusable_inputs"] = []
+    assert cm.simulate(no_reuse, no_reuse["order"]) == 10 * MIB
+    # Without G's pending read of W, U copies nothing: 8 MiB.
+    no_copy = reuse_and_update_table()
+    no_copy["nodes"][7]["inputs"] = [no_copy["nodes"][5]["outputs"][0]]
+    assert cm.simulate(no_copy, no_copy["order"]) == 8 * MIB
+
+
+def workspace_table():
+    """x (caller's, 1 MiB) -> P (1 MiB, plus a 1 MiB workspace that G releases, like
+    oneDNN's MaxPool) -> Q (2 MiB); G(P, Q) (1 MiB) is backward."""
+    nodes, tensors, buffers = [], [], []
+
+    def node(name, inputs, size, backward=False, external=False):
+        n, t = len(nodes), len(tensors)
+        buffers.append({"owner": t, "bytes": size, "host_bytes": 0, "persistent": False,
+                        "device": "CPU:0", "external": external, "released_by": -1,
+                        "pieces": 1})
+        tensors.append({"node": n, "port": 0, "bytes": size, "buffer": len(buffers) - 1,
+                        "role": "activation", "dtype": "float"})
+        nodes.append({"name": name, "op": name, "device": "CPU:0", "backward": backward,
+                      "stateful": False, "compute_seconds": 0.1, "temp_bytes": 0,
+                      "inputs": inputs, "outputs": [t], "control_inputs": [],
+                      "recomputable": "backward" if backward else "",
+                      "reusable_inputs": [], "updated_variables": [], "extra_buffers": []})
+        return t
+
+    x = node("x", [], MIB, external=True)
+    p = node("P", [x], MIB)
+    q = node("Q", [p], 2 * MIB)
+    node("G", [p, q], MIB, backward=True)
+    buffers.append({"owner": p, "bytes": MIB, "host_bytes": 0, "persistent": False,
+                    "device": "CPU:0", "external": False, "released_by": 3, "pieces": 1})
+    nodes[1]["extra_buffers"].append(len(buffers) - 1)
+    return {"nodes": nodes, "tensors": tensors, "buffers": buffers,
+            "order": [0, 1, 2, 3], "fetch": [], "devices": ["CPU:0"]}
+
+
+def test_a_kernel_workspace_lives_until_its_releasing_node_has_run():
+    table = workspace_table()
+    # At G: x, P, its workspace, Q and G: 6 MiB.
+    assert cm.simulate(table, table["order"]) == 6 * MIB
+    model = cm.build_model(table)
+    workspace = model.value_buffer.index(4)
+    assert model.name(model.value_owner[workspace]) == "P"
+    assert [model.name(s) for s in model.value_readers[workspace]] == ["G"]
+
+
+def test_milp_counts_what_the_replay_counts():
+    for table in (reuse_and_update_table(), chain_table(), workspace_table()):
+        model = cm.build_model(table)
+        lowest = cm.solve(model, minimize_peak=True, time_limit=30)
+        assert lowest.status == "optimal"
+        # The MILP's own peak (its objective) is the replay's peak of its schedule.
+        assert lowest.objective_bytes == lowest.peak_bytes
+    model = cm.build_model(reuse_and_update_table())
+    # Caller-held x is resident, as variables are.
+    assert model.persistent_bytes == 2 * MIB
+    assert [model.name(c.stage) for c in model.copies] == ["U"]
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +212,10 @@ def mlp3_relu(optimality):
                                log=lambda *_: None)
 
 
-@NOT_PORTED_TO_THE_SIMULATOR
 def test_replays_agree_with_the_planner_and_the_verify_stage(optimality, mlp3_relu):
     graph, cases, checks = mlp3_relu
-    # The unplanned order replays to peak_before_bytes, our output graph (in
-    # Grappler's order) to the planner's and the verify stage's peaks, our clones
+    # The unplanned order replays to peak_before_bytes, our output graph (in the
+    # executor order the simulator emulates) to the planner's and the verify stage's peaks, our clones
     # cost what the report says, and the MILP's schedule fits its budget.
     assert checks == []
     assert graph["nodes"] <= optimality.MAX_NODES
@@ -147,7 +228,6 @@ def test_replays_agree_with_the_planner_and_the_verify_stage(optimality, mlp3_re
     assert case["milp_replay"] <= case["budget"]
 
 
-@NOT_PORTED_TO_THE_SIMULATOR
 def test_our_plan_matches_the_optimum_on_a_three_layer_mlp(mlp3_relu):
     _, (case,), _ = mlp3_relu
     # Both recompute the first layer (MatMul + ReLU) once, for the backward pass.
@@ -157,7 +237,6 @@ def test_our_plan_matches_the_optimum_on_a_three_layer_mlp(mlp3_relu):
     assert case["ratio"] == pytest.approx(1.0)
 
 
-@NOT_PORTED_TO_THE_SIMULATOR
 def test_quick_run_prints_the_summary_as_its_last_line():
     import json
     import subprocess

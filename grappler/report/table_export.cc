@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_format.h"
 #include "grappler/plan/memory_planner.h"
+#include "tensorflow/core/framework/types.h"
 
 namespace tfmemopt {
 namespace {
@@ -56,14 +57,21 @@ std::string TensorTableJson(const TensorTable& table, const std::vector<int>& or
     const std::string why = node.backward ? "backward"
                                           : NotRecomputableReason(table, flow, planner,
                                                                   static_cast<int>(n));
-    out << ",\"recomputable\":" << Quote(why) << "}";
+    out << ",\"recomputable\":" << Quote(why) << ",\"reusable_inputs\":";
+    List(out, node.reusable_inputs);
+    out << ",\"updated_variables\":";
+    List(out, node.updated_variables);
+    out << ",\"extra_buffers\":";
+    List(out, node.extra_buffers);
+    out << "}";
   }
   out << "],\"tensors\":[";
   for (size_t t = 0; t < table.tensors.size(); ++t) {
     const TensorInfo& tensor = table.tensors[t];
     out << (t ? "," : "") << "{\"node\":" << tensor.node << ",\"port\":" << tensor.port
         << ",\"bytes\":" << tensor.bytes << ",\"buffer\":" << tensor.buffer
-        << ",\"role\":" << Quote(TensorRoleName(tensor.role)) << "}";
+        << ",\"role\":" << Quote(TensorRoleName(tensor.role))
+        << ",\"dtype\":" << Quote(tensorflow::DataTypeString(tensor.dtype)) << "}";
   }
   out << "],\"buffers\":[";
   for (size_t b = 0; b < table.buffers.size(); ++b) {
@@ -71,7 +79,9 @@ std::string TensorTableJson(const TensorTable& table, const std::vector<int>& or
     out << (b ? "," : "") << "{\"owner\":" << buffer.owner << ",\"bytes\":" << buffer.bytes
         << ",\"host_bytes\":" << buffer.host_bytes
         << ",\"persistent\":" << (buffer.persistent ? "true" : "false")
-        << ",\"device\":" << Quote(buffer.device) << "}";
+        << ",\"device\":" << Quote(buffer.device)
+        << ",\"external\":" << (buffer.external ? "true" : "false")
+        << ",\"released_by\":" << buffer.released_by << ",\"pieces\":" << buffer.pieces << "}";
   }
   out << "],\"order\":";
   List(out, order);

@@ -15,10 +15,16 @@ namespace tfmemopt {
 
 // {"nodes": [{"name", "op", "device", "backward", "stateful", "compute_seconds",
 //             "temp_bytes", "inputs": [tensor], "outputs": [tensor],
-//             "control_inputs": [node], "recomputable": "" or why not}],
-//  "tensors": [{"node", "port", "bytes", "buffer", "role"}],
-//  "buffers": [{"owner", "bytes", "host_bytes", "persistent", "device"}],
+//             "control_inputs": [node], "recomputable": "" or why not,
+//             "reusable_inputs": [input position], "updated_variables": [input position],
+//             "extra_buffers": [buffer]}],
+//  "tensors": [{"node", "port", "bytes", "buffer", "role", "dtype"}],
+//  "buffers": [{"owner", "bytes", "host_bytes", "persistent", "device", "external",
+//               "released_by": node or -1, "pieces"}],
 //  "order": [node], "fetch": [tensor], "devices": [name]}
+// The fields are NodeInfo's, TensorInfo's and BufferInfo's (dtype: DataTypeString,
+// e.g. "float", "resource"); `order` is the order the simulator replays (ExecutorOrder),
+// so that a replay of the table in Python can follow the simulator's rules exactly.
 std::string TensorTableJson(const TensorTable& table, const std::vector<int>& order,
                             const ControlFlowInfo& flow, const MemoryOptimizerOptions& options);
 
