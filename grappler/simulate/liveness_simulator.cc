@@ -428,7 +428,8 @@ class AllocatorListener : public Listener {
 
  private:
   void Refused(int64_t bytes, std::string what) {
-    if (refused_bytes_ > 0) return;
+    // An empty request allocates nothing (the model answers -2): no refusal.
+    if (bytes <= 0 || refused_bytes_ > 0) return;
     refused_bytes_ = bytes;
     refused_ = std::move(what);
   }
