@@ -51,8 +51,8 @@ def enable(budget=None, **fields):
     config = make_config(budget, **fields)
     entry = custom_optimizer_entry(config)
     with _lock:
-        _eager_context.update_base_config(
-            lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
+        _eager_context.set_config_edit(
+            PASS_NAME, lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
         _enabled = config
     return config
 
@@ -61,8 +61,7 @@ def disable():
     """Undoes enable(): graphs traced afterwards no longer run TfMemOpt."""
     global _enabled
     with _lock:
-        _eager_context.update_base_config(
-            lambda proto: with_entry(proto.graph_options.rewrite_options, None))
+        _eager_context.set_config_edit(PASS_NAME, None)
         _enabled = None
 
 

@@ -1,13 +1,21 @@
 """The one place that touches TensorFlow's private eager-context API.
 
 tf.function takes its Grappler config from the eager context's
-`function_call_options`, which is thread-local and is rebuilt from `context.config`
-whenever it is reset (e.g. by tf.config.optimizer.set_experimental_options). No
-public TF2 API sets custom optimizers there, so the custom optimizer entry is put
-into the context's base ConfigProto (`Context._config`), which every thread's
-options are built from, and the `function_call_options` getter is wrapped so that
-threads with options cached before the change rebuild them.
-tests/test_enable.py pins this behaviour down.
+`function_call_options`: a FunctionCallOptions per thread, built from `context.config`
+when the thread first needs it and rebuilt whenever it is reset (e.g. by
+tf.config.optimizer.set_experimental_options). No public TF2 API puts a custom
+optimizer there, so the `function_call_options` getter is wrapped: every time a
+thread's options are built, tfmemopt's config edits (the custom optimizer entry, and
+the memory_optimization level the benchmarks set) are applied to them.
+
+Nothing here initializes TensorFlow's runtime. TF lets thread pools, virtual devices,
+GPU memory growth and visibility, and collective ops be configured only before its
+context is initialized, and `import tfmemopt; tfmemopt.enable()` comes first in a
+script, before those calls. The edits live in this module until a thread builds its
+options (at its first graph-function call, when TF initializes anyway), and the
+context's own base config (`Context._config`, which TF reads once at initialization
+and gives to what it creates, tf.data's functions among them) is never touched.
+tests/test_enable.py and tests/test_setup_calls.py pin this behaviour down.
 """
 
 import threading
@@ -15,19 +23,39 @@ import threading
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context as _context
 
-# Each update bumps the generation. Every thread remembers the generation its cached
+# name -> edit(ConfigProto), applied in insertion order to every thread's call config.
+_edits = {}
+_edits_lock = threading.Lock()
+# Each change bumps the generation. Every thread remembers the generation its cached
 # function_call_options were built under; a thread whose cache is older rebuilds it
-# (from the updated base config) on its next graph-function call. Without this, a
-# thread that already ran a tf.function before enable() would keep the old config.
+# on its next graph-function call. Without this, a thread that already ran a
+# tf.function before enable() would keep the old config.
 _generation = 0
 _thread_generation = threading.local()
 _original_options_property = _context.Context.function_call_options
 
 
+def _apply_edits(options):
+    with _edits_lock:
+        edits = list(_edits.values())
+    if not edits:
+        return
+    config = config_pb2.ConfigProto.FromString(options.config_proto_serialized)
+    for edit in edits:
+        edit(config)
+    options.config_proto_serialized = config
+
+
 def _function_call_options(self):
-    if getattr(_thread_generation, "value", 0) != _generation and self is _context.context():
-        self._thread_local_data.function_call_options = None
-        _thread_generation.value = _generation
+    if self is _context.context():
+        data = self._thread_local_data
+        if getattr(_thread_generation, "value", 0) != _generation:
+            data.function_call_options = None
+            _thread_generation.value = _generation
+        if data.function_call_options is None:
+            options = _original_options_property.fget(self)
+            _apply_edits(options)
+            return options
     return _original_options_property.fget(self)
 
 
@@ -36,30 +64,19 @@ _context.Context.function_call_options = property(
     doc=_original_options_property.__doc__)
 
 
-def update_base_config(update):
-    """Applies `update(config_proto)` to a copy of the context's base config and
-    installs it, so every later graph function in every thread is built with it.
-
-    Every thread picks it up on its next graph-function call, including threads
-    that ran tf.functions before.
+def set_config_edit(name, edit):
+    """Installs `edit(config_proto)` under `name` (replacing an earlier edit of that
+    name; None removes it). Every thread applies the edits to the config its graph
+    functions are built with, on its next graph-function call, including threads
+    that ran tf.functions before. TensorFlow's runtime is not initialized by this.
     """
     global _generation
-    ctx = _context.context()
-    # Physical devices are discovered once, and that is when TF imports _config
-    # (device counts, GPU visibility). Doing it first means our copy of the config
-    # is never imported as device settings.
-    ctx._initialize_physical_devices()
-    # The context reads its config once, when it is initialized, and gives it to
-    # what it creates (tf.data's functions among them). Initializing it first keeps
-    # our entry out of that: it lives only in the base config that graph functions'
-    # call options are built from, which disable() can take back.
-    ctx.ensure_initialized()
-    config = config_pb2.ConfigProto()
-    if ctx._config is not None:
-        config.CopyFrom(ctx._config)
-    update(config)
-    ctx._config = config
-    _generation += 1  # every thread rebuilds its options from ctx.config on next use
+    with _edits_lock:
+        if edit is None:
+            _edits.pop(name, None)
+        else:
+            _edits[name] = edit
+        _generation += 1
 
 
 def current_rewrite_options():

@@ -895,8 +895,8 @@ def _child_main():
             if config["memory_optimization"] is not None:
                 level = rewriter_config_pb2.RewriterConfig.MemOptType.Value(
                     config["memory_optimization"])
-                _eager_context.update_base_config(
-                    lambda proto: setattr(proto.graph_options.rewrite_options,
+                _eager_context.set_config_edit(
+                    "memory_optimization", lambda proto: setattr(proto.graph_options.rewrite_options,
                                           "memory_optimization", level))
             if config["fields"] is not None:
                 tfmemopt.enable(**config["fields"])
