@@ -31,6 +31,9 @@ from tfmemopt.report import Report  # noqa: E402
 from tfmemopt.analysis import analyze, analyze_metagraph  # noqa: E402
 from tfmemopt.hints import recompute_scope  # noqa: E402
 from tfmemopt.maxbatch import MaxBatchResult, TrialError, find_max_batch  # noqa: E402
+from tfmemopt.explanation import Explanation, explain, install as _install_observers  # noqa: E402
+
+_install_observers()
 
 __version__ = "0.1.0"
 
@@ -113,6 +116,8 @@ __all__ = [
     "disable",
     "enable",
     "enabled_config",
+    "Explanation",
+    "explain",
     "find_max_batch",
     "host_memory_stats",
     "keras",

@@ -84,3 +84,49 @@ def current_rewrite_options():
     options = _context.context().function_call_options
     return config_pb2.ConfigProto.FromString(
         options.config_proto_serialized).graph_options.rewrite_options
+
+
+# --- Where tfmemopt cannot act: observers of graph-function calls and Sessions ---
+#
+# Grappler (and so the pass) never sees a graph that XLA compiles (jit_compile=True),
+# a graph below the meta-optimizer's min_graph_nodes, any graph when the
+# meta-optimizer is disabled, or a Session's graph under place_pruned_graph=True
+# (tf.compat.v1.InteractiveSession sets it). tfmemopt.explain (explanation.py) tells the
+# user; these hooks are how it finds out.
+
+from tensorflow.python.client import session as _session  # noqa: E402
+from tensorflow.python.eager.polymorphic_function import atomic_function as _atomic  # noqa: E402
+
+_call_observer = None     # observer(atomic_function), on eager calls of graph functions
+_session_observer = None  # observer(config_proto or None), when a Session is created
+_original_call_flat = _atomic.AtomicFunction.call_flat
+_original_session_init = _session.BaseSession.__init__
+
+
+def _call_flat(self, *args):
+    observer = _call_observer
+    if observer is not None and self._bound_context.executing_eagerly():
+        observer(self)
+    return _original_call_flat(self, *args)
+
+
+def _session_init(self, target="", graph=None, config=None):
+    observer = _session_observer
+    if observer is not None:
+        observer(config)
+    _original_session_init(self, target, graph, config)
+
+
+_atomic.AtomicFunction.call_flat = _call_flat
+_session.BaseSession.__init__ = _session_init
+
+
+def set_observers(call_observer, session_observer):
+    """Installs the observers (None removes one)."""
+    global _call_observer, _session_observer
+    _call_observer, _session_observer = call_observer, session_observer
+
+
+def function_definition(function):
+    """(name, FunctionDef) of an AtomicFunction."""
+    return function.name.decode(), function.cached_definition

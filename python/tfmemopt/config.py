@@ -255,6 +255,9 @@ def config_proto(budget=None, base=None, **fields):
     result = config_pb2.ConfigProto()
     if base is not None:
         result.CopyFrom(base)
+        from tfmemopt.explanation import warn_if_pruned
+
+        warn_if_pruned(base)
     rewrite = result.graph_options.rewrite_options
     rewrite.CopyFrom(rewriter_config(budget, base=rewrite, **fields))
     return result

@@ -1,0 +1,196 @@
+"""Why tfmemopt did or did not act: `tfmemopt.explain()`.
+
+The pass runs inside Grappler, so it is silent wherever Grappler does not run. Those
+places are found here and told to the user once, as they happen:
+
+* a tf.function compiled with XLA (`jit_compile=True`): XLA takes the function before
+  Grappler does (a WARNING, once per function);
+* a graph function below Grappler's `min_graph_nodes` (4 by default): the
+  meta-optimizer skips it (an INFO line, once per process: such graphs are too small
+  to need the pass);
+* Grappler switched off (`disable_meta_optimizer`, e.g. through
+  tf.config.optimizer.set_experimental_options): a WARNING, once;
+* a Session whose config sets `graph_options.place_pruned_graph` (which
+  tf.compat.v1.InteractiveSession forces): TF skips Grappler for it ("Can't optimize a
+  pruned graph"); a WARNING when such a Session is created with the pass in its config.
+
+`tfmemopt.explain()` sums it up for the calling thread: whether the pass is on and
+with which config, what Grappler is set to do, the graphs the pass optimized and the
+graph functions it never saw, with the reason.
+"""
+
+import dataclasses
+import threading
+
+import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+
+from tfmemopt import _eager_context
+from tfmemopt.config import PASS_NAME
+
+DEFAULT_MIN_GRAPH_NODES = 4  # Grappler's kDefaultMinGraphNodes (meta_optimizer.cc)
+XLA_ATTR = "_XlaMustCompile"
+
+_lock = threading.Lock()
+_skipped = {}   # function name -> why Grappler did not run the pass on it
+_checked = set()  # function names looked at while the pass was enabled
+_told = set()   # one-time messages already logged
+
+
+def _tell_once(key, level, message, *args):
+    with _lock:
+        if key in _told:
+            return
+        _told.add(key)
+    getattr(tf.get_logger(), level)(message, *args)
+
+
+def _pass_in(rewrite_options):
+    return any(c.name == PASS_NAME for c in rewrite_options.custom_optimizers)
+
+
+def _min_graph_nodes(rewrite_options):
+    nodes = rewrite_options.min_graph_nodes
+    return DEFAULT_MIN_GRAPH_NODES if nodes == 0 else nodes
+
+
+def why_grappler_skips(definition, rewrite_options):
+    """Why Grappler will not run the pass on a graph function, or None."""
+    xla = definition.attr.get(XLA_ATTR)
+    if xla is not None and xla.b:
+        return "compiled with XLA (jit_compile=True), which bypasses Grappler"
+    if rewrite_options.disable_meta_optimizer:
+        return "Grappler is disabled (disable_meta_optimizer)"
+    # Grappler's item holds the function's nodes plus one _Arg per input and one
+    # _Retval per output.
+    nodes = (len(definition.node_def) + len(definition.signature.input_arg)
+             + len(definition.signature.output_arg))
+    limit = _min_graph_nodes(rewrite_options)
+    if limit > 0 and nodes < limit:
+        return f"{nodes} nodes, below Grappler's min_graph_nodes ({limit})"
+    return None
+
+
+def _on_function_call(function):
+    name, definition = _eager_context.function_definition(function)
+    with _lock:
+        if name in _checked:
+            return
+    rewrite = _eager_context.current_rewrite_options()
+    if not _pass_in(rewrite):
+        return  # not enabled in this thread: nothing to explain about this call
+    reason = why_grappler_skips(definition, rewrite)
+    with _lock:
+        _checked.add(name)
+        if reason:
+            _skipped[name] = reason
+    if reason is None:
+        return
+    if reason.startswith("compiled with XLA"):
+        _tell_once(("xla", name), "warning",
+                   "tfmemopt: tf.function %s is compiled with XLA (jit_compile=True); XLA "
+                   "bypasses Grappler, so tfmemopt does not act on it. Use "
+                   "jit_compile=False to let tfmemopt plan its memory.", name)
+    elif reason.startswith("Grappler is disabled"):
+        _tell_once("meta", "warning",
+                   "tfmemopt: Grappler is disabled (disable_meta_optimizer is set), so "
+                   "tfmemopt does not act on any graph function (first: %s).", name)
+    else:
+        _tell_once("small", "info",
+                   "tfmemopt: graph function %s has %s; Grappler skips such graphs, and "
+                   "tfmemopt with them (they are too small to need it). "
+                   "tfmemopt.explain() lists them.", name, reason)
+
+
+def _on_session(config):
+    if config is None or not isinstance(config, config_pb2.ConfigProto):
+        return
+    if _pass_in(config.graph_options.rewrite_options) and config.graph_options.place_pruned_graph:
+        _tell_once("pruned", "warning",
+                   "tfmemopt: this Session's config sets place_pruned_graph=True "
+                   "(tf.compat.v1.InteractiveSession always does), and TensorFlow skips "
+                   "Grappler for such sessions, so tfmemopt does not act on them. Use "
+                   "tf.compat.v1.Session(config=tfmemopt.config_proto(...)) instead.")
+
+
+def install():
+    _eager_context.set_observers(_on_function_call, _on_session)
+
+
+def warn_if_pruned(config):
+    """config_proto(base=...) calls this: a base that prunes the graph switches Grappler off."""
+    if config.graph_options.place_pruned_graph:
+        _tell_once("pruned-base", "warning",
+                   "tfmemopt: base sets graph_options.place_pruned_graph=True; TensorFlow "
+                   "skips Grappler for Sessions with it, so tfmemopt will not act on them.")
+
+
+@dataclasses.dataclass
+class Explanation:
+    """What `tfmemopt.explain()` found. `str()` gives it as a few lines of text.
+
+    enabled: tfmemopt.enable() is in force. in_this_thread: the calling thread's graph
+    functions are built with the pass in their config. config: the fields set (name ->
+    value). grappler: what the thread's config asks of Grappler (meta_optimizer on or
+    off, min_graph_nodes, memory_optimization, TF's global XLA JIT). graphs: one dict per
+    graph the pass optimized in this process (graph_id, status, num_nodes, fits,
+    graph_changed). not_seen: graph function name -> why Grappler never ran the pass on it.
+    """
+
+    enabled: bool
+    in_this_thread: bool
+    config: dict
+    grappler: dict
+    graphs: list
+    not_seen: dict
+
+    def __str__(self):
+        state = "on" if self.in_this_thread else "off"
+        lines = [f"tfmemopt in this thread: {state}"
+                 + ("" if self.enabled == self.in_this_thread else
+                    f" (enable() is {'in force' if self.enabled else 'not in force'})")]
+        if self.config:
+            lines.append("  config: " + ", ".join(f"{k}={v!r}" for k, v in self.config.items()))
+        g = self.grappler
+        lines.append(f"  Grappler: {'off (disable_meta_optimizer)' if not g['meta_optimizer'] else 'on'}"
+                     f", min_graph_nodes {g['min_graph_nodes']}, memory_optimization "
+                     f"{g['memory_optimization']}, XLA auto-jit {'on' if g['xla_jit'] else 'off'}")
+        lines.append(f"  graphs optimized: {len(self.graphs)}")
+        for r in self.graphs[-10:]:
+            fits = {True: "fits", False: "over budget", None: "no budget"}[r["fits"]]
+            lines.append(f"    {r['graph_id']}: {r['status']}, {r['num_nodes']} nodes, {fits}"
+                         + (", rewritten" if r["graph_changed"] else ""))
+        if self.not_seen:
+            lines.append(f"  graph functions the pass never saw: {len(self.not_seen)}")
+            for name, reason in list(self.not_seen.items())[-10:]:
+                lines.append(f"    {name}: {reason}")
+        return "\n".join(lines)
+
+
+def explain():
+    """Whether tfmemopt acts in the calling thread, with which config, on which graphs.
+
+    Returns an Explanation; print it for a summary.
+    """
+    import tfmemopt
+
+    rewrite = _eager_context.current_rewrite_options()
+    entry = [c for c in rewrite.custom_optimizers if c.name == PASS_NAME]
+    config = {}
+    if entry:
+        for key, value in sorted(entry[0].parameter_map.items()):
+            kind = value.WhichOneof("value")
+            config[key] = (list(value.list.s) if kind == "list"
+                           else value.s.decode() if kind == "s" else getattr(value, kind))
+    memory = rewrite.MemOptType.Name(rewrite.memory_optimization)
+    grappler = {"meta_optimizer": not rewrite.disable_meta_optimizer,
+                "min_graph_nodes": _min_graph_nodes(rewrite),
+                "memory_optimization": memory,
+                "xla_jit": bool(tf.config.optimizer.get_jit())}
+    graphs = [{"graph_id": r.graph_id, "status": r.status, "num_nodes": r.num_nodes,
+               "fits": r.fits, "graph_changed": r.graph_changed} for r in tfmemopt.reports()]
+    with _lock:
+        not_seen = dict(_skipped)
+    return Explanation(enabled=tfmemopt.enabled_config() is not None,
+                       in_this_thread=bool(entry), config=config, grappler=grappler,
+                       graphs=graphs, not_seen=not_seen)

@@ -1,0 +1,105 @@
+"""No silent no-ops: where Grappler never runs the pass, the user is told once, and
+tfmemopt.explain() says for the calling thread whether the pass is on, with which
+config, which graphs it optimized and which graph functions it never saw, and why."""
+
+import threading
+
+import tensorflow as tf
+
+import tfmemopt
+from conftest import reports_for, run_mlp_steps, run_python
+
+
+def test_explain_follows_enable_and_disable_in_the_calling_thread():
+    assert not tfmemopt.explain().in_this_thread
+    tfmemopt.enable("1GiB", log_level=0)
+    run_mlp_steps(steps=1)
+    explanation = tfmemopt.explain()
+    assert explanation.enabled and explanation.in_this_thread
+    assert explanation.config == {"budget_bytes": 2**30, "log_level": 0}
+    assert explanation.grappler["meta_optimizer"] is True
+    assert explanation.grappler["min_graph_nodes"] == 4
+    (graph,) = [g for g in explanation.graphs if g["graph_id"].startswith("__inference_train_step")]
+    assert graph["status"] == "ok" and graph["fits"] is True
+    text = str(explanation)
+    assert "tfmemopt in this thread: on" in text and graph["graph_id"] in text
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(tfmemopt.explain()))
+    thread.start()
+    thread.join()
+    assert seen[0].in_this_thread  # every thread's graph functions get the pass
+    tfmemopt.disable()
+    assert "tfmemopt in this thread: off" in str(tfmemopt.explain())
+
+
+def test_a_tiny_graph_function_is_listed_with_grapplers_reason():
+    tfmemopt.enable("1GiB", log_level=0)
+    tiny = tf.function(lambda: tf.constant(1.0))
+    tiny()
+    name = tiny.get_concrete_function().function_def.signature.name
+    assert tfmemopt.explain().not_seen[name] == (
+        "3 nodes, below Grappler's min_graph_nodes (4)")
+    # Grappler agrees: the pass never ran on it (Const, Identity and the _Retval).
+    assert not [r for r in tfmemopt.reports() if r.graph_id == name]
+
+
+_NO_OP = r'''
+import tensorflow as tf, tfmemopt
+tfmemopt.enable("1GiB", log_level=0)
+CASE = "{case}"
+if CASE == "xla":
+    @tf.function(jit_compile=True)
+    def step(x):
+        return tf.reduce_sum(tf.tanh(x) * 2.0 + 1.0)
+    for _ in range(3):
+        step(tf.ones([8, 8]))
+    name = step.get_concrete_function(tf.ones([8, 8])).function_def.signature.name
+    print("REASON", tfmemopt.explain().not_seen.get(name))
+    print("REPORTS", len([r for r in tfmemopt.reports() if r.graph_id == name]))
+elif CASE == "meta_optimizer_off":
+    tf.config.optimizer.set_experimental_options({{"disable_meta_optimizer": True}})
+    @tf.function
+    def step(x):
+        return tf.reduce_sum(tf.tanh(x) * 2.0 + 1.0)
+    step(tf.ones([8, 8]))
+    print("REASON", list(tfmemopt.explain().not_seen.values()))
+    print("REPORTS", len(tfmemopt.reports()))
+elif CASE == "interactive_session":
+    tf.compat.v1.disable_eager_execution()
+    tf.compat.v1.InteractiveSession(config=tfmemopt.config_proto("1GiB")).close()
+    tf.compat.v1.InteractiveSession(config=tfmemopt.config_proto("1GiB")).close()
+elif CASE == "pruned_base":
+    base = tf.compat.v1.ConfigProto()
+    base.graph_options.place_pruned_graph = True
+    tfmemopt.config_proto("1GiB", base=base)
+'''
+
+
+def _stderr_and_stdout(case):
+    proc = run_python(_NO_OP.format(case=case), env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr, proc.stdout
+
+
+def test_xla_function_is_told_once_and_listed():
+    err, out = _stderr_and_stdout("xla")
+    assert err.count("is compiled with XLA (jit_compile=True)") == 1, err[-2000:]
+    assert "REASON compiled with XLA (jit_compile=True), which bypasses Grappler" in out
+    assert "REPORTS 0" in out
+
+
+def test_grappler_switched_off_is_told():
+    err, out = _stderr_and_stdout("meta_optimizer_off")
+    assert "Grappler is disabled (disable_meta_optimizer is set)" in err, err[-2000:]
+    assert "REASON ['Grappler is disabled (disable_meta_optimizer)']" in out
+    assert "REPORTS 0" in out
+
+
+def test_interactive_session_is_told_once():
+    err, _ = _stderr_and_stdout("interactive_session")
+    assert err.count("InteractiveSession always does") == 1, err[-2000:]
+
+
+def test_config_proto_warns_when_its_base_prunes_the_graph():
+    err, _ = _stderr_and_stdout("pruned_base")
+    assert "base sets graph_options.place_pruned_graph=True" in err, err[-2000:]
