@@ -67,10 +67,11 @@ bool AsNumber(const AttrValue& value, double* x) {
 template <typename Int>
 OptionField IntField(const char* name, const char* type,
                      Int MemoryOptimizerOptions::*member, int64_t min_value,
-                     int64_t max_value) {
+                     int64_t max_value, const char* allowed_text = nullptr) {
   const std::string allowed =
-      max_value == INT64_MAX ? absl::StrCat("an int >= ", min_value)
-                             : absl::StrCat("an int in ", min_value, "..", max_value);
+      allowed_text != nullptr ? std::string(allowed_text)
+      : max_value == INT64_MAX ? absl::StrCat("an int >= ", min_value)
+                               : absl::StrCat("an int in ", min_value, "..", max_value);
   return {name, type, {},
           [=](const std::string& key, const AttrValue& value,
               MemoryOptimizerOptions* options) {
@@ -204,8 +205,9 @@ const std::vector<OptionField>& Fields() {
       BoolField("enable_swap", &O::enable_swap),
       BoolField("enable_recompute", &O::enable_recompute),
       BoolField("enable_schedule", &O::enable_schedule),
-      IntField<int64_t>("min_tensor_bytes", "int64", &O::min_tensor_bytes, 0,
-                        INT64_MAX),
+      IntField<int64_t>("min_tensor_bytes", "int64", &O::min_tensor_bytes,
+                        kAdaptiveMinTensorBytes, INT64_MAX,
+                        "an int >= 0, or -1 (adaptive)"),
       StringListField("exclude_scopes", &O::exclude_scopes),
       StringListField("include_scopes", &O::include_scopes),
       StringListField("exclude_op_types", &O::exclude_op_types),
@@ -240,6 +242,11 @@ const std::vector<OptionField>& Fields() {
 }
 
 }  // namespace
+
+std::vector<int64_t> AdaptiveMinTensorBytesSteps(const MemoryOptimizerOptions& options) {
+  if (options.min_tensor_bytes != kAdaptiveMinTensorBytes) return {options.min_tensor_bytes};
+  return {int64_t{1} << 20, int64_t{64} << 10, 0};
+}
 
 const char* ModeName(Mode mode) {
   return ModeNames()[static_cast<int>(mode)].c_str();

@@ -20,6 +20,9 @@ namespace tfmemopt {
 enum class Mode { kAuto = 0, kAnalyzeOnly = 1, kManual = 2 };
 enum class RecomputePolicy { kAuto = 0, kSqrt = 1, kManual = 2 };
 
+// min_tensor_bytes' default: no fixed threshold, see AdaptiveMinTensorBytesSteps.
+inline constexpr int64_t kAdaptiveMinTensorBytes = -1;
+
 struct MemoryOptimizerOptions {
   // Per-device budget in bytes; 0 means "budget_fraction of the device memory".
   int64_t budget_bytes = 0;
@@ -29,8 +32,10 @@ struct MemoryOptimizerOptions {
   bool enable_swap = true;
   bool enable_recompute = true;
   bool enable_schedule = true;
-  // Below this size a tensor is never swapped or recomputed.
-  int64_t min_tensor_bytes = 1 << 20;
+  // Below this size a tensor is never swapped or recomputed. kAdaptiveMinTensorBytes
+  // (the default): 1 MiB while the budget can be met without smaller tensors, lower
+  // steps (AdaptiveMinTensorBytesSteps) when it cannot.
+  int64_t min_tensor_bytes = kAdaptiveMinTensorBytes;
   std::vector<std::string> exclude_scopes;
   std::vector<std::string> include_scopes;
   std::vector<std::string> exclude_op_types;
@@ -66,6 +71,13 @@ absl::Status ParseMemoryOptimizerOptions(
 // {"field": {"type": "int64|double|bool|string|enum|repeated_string",
 //            "default": ..., "values": [...enum names]}, ...}
 std::string OptionSchemaJson();
+
+// The thresholds the planner tries, in turn, for min_tensor_bytes: the user's value
+// alone when one is set, else 1 MiB, 64 KiB and 0. Small tensors are many and rarely
+// matter, so they are left out while the budget can be met without them (planning
+// stays fast); a graph of many mid-sized tensors (a chain of 1 MB activations) still
+// gets a plan when the budget needs them.
+std::vector<int64_t> AdaptiveMinTensorBytesSteps(const MemoryOptimizerOptions& options);
 
 const char* ModeName(Mode mode);
 const char* RecomputePolicyName(RecomputePolicy policy);

@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grappler/analyze/control_flow.h"
+#include "grappler/analyze/executed_nodes.h"
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/plan/memory_planner.h"
 #include "grappler/plan/schedule.h"
@@ -187,7 +188,7 @@ MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
   planner.swap.lag_ops = options.swapin_lag_ops;
   planner.swap.fuse_swapins = options.fuse_swapins;
   for (const DeviceReport& device : devices) planner.budget_bytes.push_back(device.budget_bytes);
-  planner.min_tensor_bytes = options.min_tensor_bytes;
+  planner.min_tensor_bytes = AdaptiveMinTensorBytesSteps(options).front();
   planner.exclude_scopes = options.exclude_scopes;
   planner.include_scopes = options.include_scopes;
   planner.exclude_op_types = options.exclude_op_types;
@@ -210,6 +211,59 @@ bool SetBudgets(const MemoryOptimizerOptions& options, std::vector<DeviceReport>
     over_budget |= device.budget_bytes > 0 && device.peak_before_bytes > device.budget_bytes;
   }
   return over_budget;
+}
+
+// How far a plan is from its budgets: 0 when it fits, else its largest overshoot.
+int64_t Overshoot(const MemoryPlan& plan, const MemoryPlannerOptions& planner) {
+  int64_t worst = 0;
+  for (size_t d = 0; d < plan.peak_bytes.size() && d < planner.budget_bytes.size(); ++d) {
+    if (planner.budget_bytes[d] > 0) {
+      worst = std::max(worst, plan.peak_bytes[d] - planner.budget_bytes[d]);
+    }
+  }
+  return plan.feasible ? 0 : std::max<int64_t>(worst, 1);
+}
+
+// Plans with each min_tensor_bytes threshold of AdaptiveMinTensorBytesSteps in turn
+// until a plan fits, keeping the plan that comes closest to the budget. A lower
+// threshold is tried only when some tensor is newly admitted by it, and the cascade
+// stops when admitting smaller tensors did not bring the peak down.
+absl::Status PlanWithAdaptiveThreshold(const MemoryOptimizerOptions& options,
+                                       const TensorTable& table, const std::vector<int>& order,
+                                       const ControlFlowInfo& flow,
+                                       MemoryPlannerOptions planner, MemoryPlan* plan,
+                                       PlannedRewrite* rewrite, SimulationResult* planned,
+                                       int64_t* used_threshold) {
+  const std::vector<int64_t> thresholds = AdaptiveMinTensorBytesSteps(options);
+  int simulations = 0;
+  for (size_t i = 0; i < thresholds.size(); ++i) {
+    if (i > 0) {
+      bool admits_more = false;
+      for (const TensorInfo& tensor : table.tensors) {
+        admits_more |= tensor.bytes >= thresholds[i] && tensor.bytes < thresholds[i - 1];
+      }
+      if (!admits_more) continue;
+    }
+    planner.min_tensor_bytes = thresholds[i];
+    MemoryPlan candidate;
+    PlannedRewrite candidate_rewrite;
+    SimulationResult candidate_simulation;
+    absl::Status status = PlanMemory(table, order, flow, planner, &candidate,
+                                     &candidate_rewrite, &candidate_simulation);
+    if (!status.ok()) return status;
+    simulations += candidate.simulations;
+    const bool first = i == 0;
+    const bool better = !first && Overshoot(candidate, planner) < Overshoot(*plan, planner);
+    if (first || better) {
+      *plan = std::move(candidate);
+      *rewrite = std::move(candidate_rewrite);
+      *planned = std::move(candidate_simulation);
+      *used_threshold = thresholds[i];
+    }
+    if (plan->feasible || (!first && !better)) break;
+  }
+  plan->simulations = simulations;
+  return absl::OkStatus();
 }
 
 absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster,
@@ -276,7 +330,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->schedule.planned = true;
     ScheduleOptions scheduling;
     scheduling.simulation = SimulationFor(devices, table.devices);
-    scheduling.min_gain_bytes = options.min_tensor_bytes;
+    scheduling.min_gain_bytes = AdaptiveMinTensorBytesSteps(options).front();
     absl::Status s = PlanSchedule(table, flow, before, scheduling, &schedule);
     if (!s.ok()) return s;
     report->schedule.simulations = schedule.simulations;
@@ -317,7 +371,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   PlannedRewrite rewrite;
   SimulationResult planned;
   status = stages->Run("plan", [&] {
-    const MemoryPlannerOptions planner = PlannerOptions(options, devices, table.devices);
+    MemoryPlannerOptions planner = PlannerOptions(options, devices, table.devices);
     const bool hinted_recompute =
         planner.enable_recompute && planner.policy != RecomputePolicy::kAuto;
     const bool wanted = hinted_recompute ||
@@ -328,7 +382,8 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->recompute.planned = planner.enable_recompute;
     report->recompute.policy = RecomputePolicyName(planner.policy);
     report->swap.planned = planner.enable_swap;
-    absl::Status s = PlanMemory(table, order, flow, planner, &plan, &rewrite, &planned);
+    absl::Status s = PlanWithAdaptiveThreshold(options, table, order, flow, planner, &plan,
+                                               &rewrite, &planned, &report->min_tensor_bytes);
     if (!s.ok()) return s;
     report->recompute.feasible = report->swap.feasible = plan.feasible;
     report->recompute.simulations = plan.simulations;
@@ -473,7 +528,15 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
   StageRunner stages(options_, &report);
   absl::Status status;
   try {
-    status = RunPipeline(options_, cluster, item, optimized_graph, &report, &stages);
+    // The pass plans what the step runs; nodes no fetch needs go back unchanged.
+    GrapplerItem executed;
+    std::vector<tensorflow::NodeDef> never_run;
+    const bool pruned = SplitNeverRunNodes(item, &executed, &never_run);
+    report.never_run_nodes = static_cast<int>(never_run.size());
+    if (pruned) *optimized_graph = executed.graph;
+    status = RunPipeline(options_, cluster, pruned ? executed : item, optimized_graph,
+                         &report, &stages);
+    for (tensorflow::NodeDef& node : never_run) *optimized_graph->add_node() = std::move(node);
   } catch (const std::exception& e) {
     status = absl::InternalError(absl::StrCat("exception: ", e.what()));
   } catch (...) {

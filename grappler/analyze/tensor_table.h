@@ -45,6 +45,12 @@ struct TensorInfo {
   // ...) share the buffer of their input instead of allocating one.
   int buffer = -1;
   std::vector<int> consumers;  // node indices, one entry per data input edge
+  // TF's runtime constant folding after Grappler (tensor_table.cc,
+  // MarkRuntimeFoldedConstants): kConstant tensors become a Const that the
+  // kernel holds (persistent); kIntermediate ones are only computed while folding
+  // and never exist when the step runs.
+  enum class Folding { kNone, kConstant, kIntermediate };
+  Folding folding = Folding::kNone;
 };
 
 struct NodeInfo {
@@ -67,6 +73,10 @@ struct NodeInfo {
   // place. TF copies the variable first if a read of it is still live
   // (copy-on-write); the simulator counts that copy.
   std::vector<int> updated_variables;
+  // Updates a variable: a resource one (updated_variables) or a tf.compat.v1
+  // reference variable (Assign, Apply*, Scatter* on a ref input, updated in place
+  // with no copy). The executor's order is emulated around these (ExecutorOrder).
+  bool updates_variable = false;
   // Buffers the kernel allocates beyond its graph outputs, such as oneDNN's
   // MaxPool workspace (indices into TensorTable::buffers; see
   // BufferInfo::released_by). They are not graph tensors: nothing can swap or

@@ -81,6 +81,13 @@ std::string NotRecomputableReason(const TensorTable& table, const ControlFlowInf
   }
   for (int t : node.inputs) {
     if (!PlainType(table.tensors[t].dtype)) return "non_plain_dtype";
+    // A read of a tf.compat.v1 reference variable (VariableV2 through its Identity
+    // `read`) shares the variable's buffer, which the optimizer updates in place: a
+    // clone run later could see the updated weights.
+    const int owner = table.buffers[table.tensors[t].buffer].owner;
+    if (owner >= 0 && tensorflow::IsRefType(table.tensors[owner].dtype)) {
+      return "reads_reference_variable";
+    }
   }
   for (int t : node.outputs) {
     const TensorInfo& tensor = table.tensors[t];

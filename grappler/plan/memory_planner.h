@@ -138,7 +138,7 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
 absl::Status ApplyPlannedRewrite(const PlannedRewrite& rewrite, tensorflow::GraphDef* graph);
 
 // Why forward node `node` may not be recomputed ("stateful", "control_flow",
-// "non_plain_dtype", "unknown_size", "persistent", "excluded", "not_included",
+// "non_plain_dtype", "reads_reference_variable", "unknown_size", "persistent", "excluded", "not_included",
 // "input_or_structural"), or "" if it may.
 std::string NotRecomputableReason(const TensorTable& table, const ControlFlowInfo& flow,
                                   const MemoryPlannerOptions& options, int node);

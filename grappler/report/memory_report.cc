@@ -88,7 +88,8 @@ std::string MemoryReport::ToJson() const {
   out << "{\"graph_id\":" << Quote(graph_id) << ",\"status\":" << Quote(status)
       << ",\"failed_stage\":" << Quote(failed_stage) << ",\"message\":" << Quote(message)
       << ",\"mode\":" << Quote(ModeName(options.mode))
-      << ",\"num_nodes\":" << num_nodes << ",\"num_tensors\":" << num_tensors
+      << ",\"num_nodes\":" << num_nodes << ",\"never_run_nodes\":" << never_run_nodes
+      << ",\"num_tensors\":" << num_tensors
       << ",\"unresolved_tensors\":" << unresolved_tensors
       << ",\"unresolved_examples\":[";
   for (size_t i = 0; i < unresolved_examples.size(); ++i) {
@@ -97,6 +98,9 @@ std::string MemoryReport::ToJson() const {
   out << "],\"batch_dims_resolved\":" << batch_dims_resolved
       << ",\"assume_batch_size\":" << options.assume_batch_size
       << ",\"graph_changed\":" << (graph_changed ? "true" : "false")
+      << ",\"min_tensor_bytes\":" << min_tensor_bytes
+      << ",\"min_tensor_bytes_adaptive\":"
+      << (options.min_tensor_bytes == kAdaptiveMinTensorBytes ? "true" : "false")
       << ",\"devices\":[";
   for (size_t i = 0; i < devices.size(); ++i) {
     const DeviceReport& d = devices[i];
@@ -175,6 +179,9 @@ std::string MemoryReport::ToJson() const {
 
 std::string MemoryReport::Summary() const {
   std::string line = absl::StrCat("TfMemOpt: graph ", graph_id, ": ", num_nodes, " nodes");
+  if (never_run_nodes > 0) {
+    absl::StrAppend(&line, " (", never_run_nodes, " never run: no fetch needs them)");
+  }
   if (status != "ok") {
     return absl::StrCat(line, ": ", failed_stage, " failed (", message,
                         "); the original graph is used");
@@ -208,6 +215,11 @@ std::string MemoryReport::Summary() const {
                                    " swap-in, ", FormatBytes(swap.bytes_to_host), " to host"));
     }
     absl::StrAppend(&line, ", added ", added, " ops (", absl::StrJoin(parts, ", "), ")");
+  }
+  if (options.min_tensor_bytes == kAdaptiveMinTensorBytes && min_tensor_bytes >= 0 &&
+      min_tensor_bytes < AdaptiveMinTensorBytesSteps(options).front()) {
+    absl::StrAppend(&line, ", tensors down to ", FormatBytes(min_tensor_bytes),
+                    " considered (the budget needs them)");
   }
   if (!schedule.edges.empty()) {
     absl::StrAppend(&line, ", scheduled with ", schedule.edges.size(), " control edge",

@@ -102,11 +102,16 @@ struct MemoryReport {
   std::string message;
   MemoryOptimizerOptions options;
   int num_nodes = 0;
+  // Nodes no fetch needs (the executor prunes them): not planned, returned as they are.
+  int never_run_nodes = 0;
   int num_tensors = 0;
   int unresolved_tensors = 0;
   std::vector<std::string> unresolved_examples;  // a few names, for the user
   int64_t batch_dims_resolved = 0;
   bool graph_changed = false;
+  // The min_tensor_bytes threshold of the applied plan (the adaptive default may
+  // lower it when the budget needs smaller tensors); -1: nothing was planned.
+  int64_t min_tensor_bytes = -1;
   std::vector<DeviceReport> devices;
   RecomputeReport recompute;
   SwapReport swap;

@@ -534,7 +534,7 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
     std::deque<int> frontier;
     for (int n = 0; n < num_nodes; ++n) {
       for (int s : successors[n]) predecessors[s].push_back(n);
-      if (!table.nodes[n].updated_variables.empty()) {
+      if (table.nodes[n].updates_variable) {
         to_update[n] = 0;
         frontier.push_back(n);
       }

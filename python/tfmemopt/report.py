@@ -74,7 +74,9 @@ class Report:
     bytes_to_host, host_peak_bytes, copy_seconds), schedule (what the scheduling stage
     did before any swap or recompute: planned, num_edges, edges as [waited for, waiting]
     node names, peak_before_bytes and peak_after_bytes per device, simulations),
-    stage_seconds, total_seconds.
+    min_tensor_bytes (the smallest tensor size the applied plan considered; with the
+    adaptive default, below 1 MiB only when the budget needed smaller tensors; -1 when
+    nothing was planned), stage_seconds, total_seconds.
     """
 
     def __init__(self, data):
@@ -85,9 +87,11 @@ class Report:
         self.message = data["message"]
         self.mode = data["mode"]
         self.num_nodes = data["num_nodes"]
+        self.never_run_nodes = data.get("never_run_nodes", 0)
         self.num_tensors = data["num_tensors"]
         self.unresolved_tensors = data["unresolved_tensors"]
         self.graph_changed = data["graph_changed"]
+        self.min_tensor_bytes = data.get("min_tensor_bytes", -1)
         devices = data["devices"]
         self.devices = [d["device"] for d in devices]
         self.budget_bytes = {d["device"]: d["budget_bytes"] for d in devices}
@@ -167,7 +171,10 @@ class Report:
                 f"  FALLBACK: stage '{self.failed_stage}' failed: {self.message}; "
                 "the original graph was used"
             )
-        lines.append(f"  {self.num_nodes} nodes, {self.num_tensors} tensors")
+        never_run = self._data.get("never_run_nodes", 0)
+        lines.append(f"  {self.num_nodes} nodes, {self.num_tensors} tensors"
+                     + (f" ({never_run} nodes never run: no fetch needs them; left as they are)"
+                        if never_run else ""))
         for d in self._data["devices"]:
             name = d["device"] or "(unplaced)"
             budget = format_bytes(d["budget_bytes"]) if d["budget_bytes"] else "unknown"
@@ -193,6 +200,11 @@ class Report:
                 f"  {self.unresolved_tensors} tensors have unknown dimensions, counted as 1"
                 f" (e.g. {examples}); set assume_batch_size to resolve the batch dimension"
             )
+        if self._data.get("min_tensor_bytes_adaptive") and 0 <= self.min_tensor_bytes < 2**20:
+            lines.append(
+                f"  tensors down to {format_bytes(self.min_tensor_bytes)} were considered: "
+                "the budget could not be met with tensors of 1 MiB and more alone"
+                " (min_tensor_bytes=-1, adaptive)")
         lines.extend(self._schedule_lines())
         lines.extend(self._recompute_lines())
         lines.extend(self._swap_lines())
