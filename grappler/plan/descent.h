@@ -1,0 +1,103 @@
+// Plan: the search over plans, for any list of mechanisms (plan/mechanism.h).
+//
+//  * Evaluate: a choice is applied to one working table in place (mechanism by
+//    mechanism), ordered as the executor would run it, simulated, and taken back.
+//    Where a mechanism has an alternative placement, both are simulated on small
+//    graphs and the better kept.
+//  * Descend: the greedy descent. At the simulated peak, every holding (a buffer
+//    live there only for later backward readers) gets a candidate from each
+//    mechanism; candidates are taken by bytes saved per second added, first
+//    several at once (until their savings cover the excess), else one at a time
+//    (the leading few simulated alone, the best kept), until the peak fits or
+//    nothing lowers it. Choices the budget turns out not to need are given back at
+//    the end, most expensive first.
+//  * ExactSearch: on small graphs, every set of the mechanisms' exact items,
+//    cheapest first, until one fits.
+// The search runs on live bytes first and switches the allocator model on (when
+// the simulation options have one) once those fit or cannot.
+#ifndef TFMEMOPT_GRAPPLER_PLAN_DESCENT_H_
+#define TFMEMOPT_GRAPPLER_PLAN_DESCENT_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "grappler/plan/mechanism.h"
+
+namespace tfmemopt {
+
+// One planning state: a choice, simulated. (The planner applies choices to one
+// working table in place and takes them back, so a state keeps no table.)
+struct Evaluated {
+  Choice choice;
+  std::vector<int> order;  // the simulated order of the applied choice
+  SimulationResult simulation;
+  int64_t excess = 0;     // worst device's predicted peak above its budget
+  double overshoot = 0;   // see Overshoot in descent.cc
+  int worst_device = -1;
+  double seconds = 0;  // predicted added time
+};
+
+// Choices that the final cleanup may take back, one group at a time.
+struct Group {
+  int mechanism = 0;
+  std::vector<int> items;
+  double seconds = 0;
+};
+
+class Planner {
+ public:
+  // `mechanisms` in the order they apply (each on top of the previous one's table).
+  Planner(const PlanContext& context, std::vector<Mechanism*> mechanisms, MemoryPlan* plan);
+
+  int num_mechanisms() const { return static_cast<int>(mechanisms_.size()); }
+  // A choice with no items, shaped for this planner.
+  Choice EmptyChoice() const;
+
+  // Simulates `choice` (with the alternative placement too where it may help).
+  absl::Status Evaluate(Choice choice, Evaluated* out);
+  absl::Status EvaluateWithAllocator(Choice choice, Evaluated* out);
+  // Re-simulates `state` with the allocator model, once, if there is one.
+  absl::Status UseAllocatorModel(Evaluated* state);
+
+  // Greedy descent from `fixed` plus `groups`; only the mechanisms marked in
+  // `proposing` propose candidates. Groups the budget turns out not to need are
+  // dropped at the end.
+  absl::Status Descend(const Choice& fixed, std::vector<Group> groups,
+                       const std::vector<bool>& proposing, Evaluated* best);
+  // Makes Descend take only choices that lower the peak (not those that lower
+  // just the live bytes above the budget at other steps).
+  void set_peak_only(bool peak_only) { peak_only_ = peak_only; }
+
+  // On small graphs: the cheapest set of the mechanisms' exact items (by added
+  // seconds) whose simulated peak fits the budget, if one costs less than
+  // `bound`. Sets *complete when the search proved that (it found the cheapest,
+  // or that none cheaper than `bound` fits); false when it was not run (too many
+  // items, too big a graph) or ran out of simulations.
+  absl::Status ExactSearch(double bound, Evaluated* found, bool* complete);
+
+  double rewrite_seconds() const { return rewrite_seconds_; }
+  double simulate_seconds() const { return simulate_seconds_; }
+
+ private:
+  bool HasAllocatorModel() const;
+  absl::Status EvaluateAs(Choice choice, Evaluated* out);
+  absl::Status Apply(const Choice& choice);
+  void Unapply();
+  absl::Status Candidates(const Evaluated& state, const std::vector<bool>& proposing,
+                          std::vector<Candidate>* out);
+
+  const PlanContext& ctx_;
+  std::vector<Mechanism*> mechanisms_;
+  MemoryPlan* plan_;
+  bool allocator_ = false;
+  bool peak_only_ = false;
+  // The base table, with the choice being evaluated applied in place.
+  TensorTable work_;
+  int applied_ = 0;  // mechanisms applied to work_ (Unapply takes them back)
+  double rewrite_seconds_ = 0, simulate_seconds_ = 0;
+};
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_PLAN_DESCENT_H_
