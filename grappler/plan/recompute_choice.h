@@ -21,7 +21,8 @@
 namespace tfmemopt {
 
 // Why forward node `node` may not be recomputed ("stateful", "control_flow",
-// "non_plain_dtype", "reads_reference_variable", "unknown_size", "persistent", "excluded", "not_included",
+// "non_plain_dtype", "reads_reference_variable", "unknown_size", "persistent",
+// "excluded", "not_included",
 // "input_or_structural"), or "" if it may.
 std::string NotRecomputableReason(const TensorTable& table, const ControlFlowInfo& flow,
                                   const MemoryPlannerOptions& options, int node);

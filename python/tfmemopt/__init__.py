@@ -32,6 +32,7 @@ from tfmemopt.analysis import analyze, analyze_metagraph  # noqa: E402
 from tfmemopt.hints import recompute_scope  # noqa: E402
 from tfmemopt.maxbatch import MaxBatchResult, TrialError, find_max_batch  # noqa: E402
 from tfmemopt.explanation import Explanation, explain, install as _install_observers  # noqa: E402
+from tfmemopt.retry import Function, function  # noqa: E402
 
 _install_observers()
 
@@ -119,6 +120,8 @@ __all__ = [
     "Explanation",
     "explain",
     "find_max_batch",
+    "Function",
+    "function",
     "host_memory_stats",
     "keras",
     "make_config",

@@ -32,12 +32,16 @@ _edits_lock = threading.Lock()
 # tf.function before enable() would keep the old config.
 _generation = 0
 _thread_generation = threading.local()
+# One more edit for the calling thread only, after the others (thread_config_edit).
+_thread_override = threading.local()
 _original_options_property = _context.Context.function_call_options
 
 
-def _apply_edits(options):
+def _apply_edits(options, override=None):
     with _edits_lock:
         edits = list(_edits.values())
+    if override is not None:
+        edits.append(override)
     if not edits:
         return
     config = config_pb2.ConfigProto.FromString(options.config_proto_serialized)
@@ -49,12 +53,14 @@ def _apply_edits(options):
 def _function_call_options(self):
     if self is _context.context():
         data = self._thread_local_data
-        if getattr(_thread_generation, "value", 0) != _generation:
+        override = getattr(_thread_override, "edit", None)
+        state = (_generation, getattr(_thread_override, "serial", 0))
+        if getattr(_thread_generation, "value", None) != state:
             data.function_call_options = None
-            _thread_generation.value = _generation
+            _thread_generation.value = state
         if data.function_call_options is None:
             options = _original_options_property.fget(self)
-            _apply_edits(options)
+            _apply_edits(options, override)
             return options
     return _original_options_property.fget(self)
 
@@ -77,6 +83,29 @@ def set_config_edit(name, edit):
         else:
             _edits[name] = edit
         _generation += 1
+
+
+class thread_config_edit:
+    """Within this context, the calling thread's graph functions are built with
+    `edit(config_proto)` applied after the process-wide edits (tfmemopt.function's
+    own budget after a retry). Nests; TF's runtime is not initialized by it."""
+
+    _serials = iter(range(1, 1 << 62))
+
+    def __init__(self, edit):
+        self._edit = edit
+        self._serial = next(thread_config_edit._serials)
+        self._saved = (None, 0)
+
+    def __enter__(self):
+        self._saved = (getattr(_thread_override, "edit", None),
+                       getattr(_thread_override, "serial", 0))
+        _thread_override.edit, _thread_override.serial = self._edit, self._serial
+        return self
+
+    def __exit__(self, *exc):
+        _thread_override.edit, _thread_override.serial = self._saved
+        return False
 
 
 def current_rewrite_options():

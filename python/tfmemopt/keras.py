@@ -3,8 +3,9 @@
     model.fit(x, y, batch_size=256,
               callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")])
 
-Keras 3 on TensorFlow traces its train step (one `multi_step_on_iterator` graph) on
-the first batch of `fit`, after `on_train_begin`, and TF instantiates it, running
+Keras 3 on TensorFlow traces its train step (one `multi_step_on_iterator` graph, or
+`one_step_on_data` when the callback retries steps that run out of memory, its
+default) on the first batch of `fit`, after `on_train_begin`, and TF instantiates it, running
 Grappler and with it TfMemOpt, once per config_proto it is called with. So the pass
 enabled in `on_train_begin` applies to this fit's step. The callback also makes Keras
 build a new train function (`make_train_function(force=True)`): a step traced by an
@@ -19,9 +20,13 @@ import keras
 import tensorflow as tf
 
 import tfmemopt
+from tfmemopt import feedback
 from tfmemopt.config import _is_repeated
 
-_TRAIN_GRAPH = "multi_step_on_iterator"
+# The train step's graph: Keras's own (the iterator read in the graph), or, when the
+# callback retries steps that run out of memory, the one-batch step it calls with
+# batches read beforehand.
+_TRAIN_GRAPHS = ("multi_step_on_iterator", "one_step_on_data")
 
 
 def _logger():
@@ -89,6 +94,14 @@ class MemoryOptimizer(keras.callbacks.Callback):
     plot_to: a .png path; after training, the train step's memory timeline is
       saved there (needs matplotlib: pip install 'tfmemopt[plot]').
     print_report: log the train step's report at INFO (tf.get_logger()).
+    retries: how many times a train step that runs out of memory is re-planned under a
+      lower budget and retried with the same batch (0: never; see tfmemopt.feedback).
+      The callback then reads each step's batches before the step (so that it can
+      retry them) and calls Keras's one-batch step on them; a lowered budget is kept
+      for the rest of the fit and for later fits with this callback.
+    guard_steps: how many steps after each (re)plan are measured (measured_peak_bytes
+      in the report) and guarded by a host snapshot of the model's, the optimizer's
+      and the metrics' variables, which a failed attempt may have updated.
     **fields: other fields of tfmemopt.MemoryOptimizerConfig. `assume_batch_size`
       defaults to the batch size `fit` uses (see fit_batch_size()), since Keras
       traces the step with an unknown batch dimension when the data has a partial
@@ -104,9 +117,20 @@ class MemoryOptimizer(keras.callbacks.Callback):
     `run_eagerly=True` bypass Grappler: the callback then warns once and does nothing.
     """
 
-    def __init__(self, budget=None, plot_to=None, print_report=True, **fields):
+    def __init__(self, budget=None, plot_to=None, print_report=True, retries=3,
+                 guard_steps=2, **fields):
         super().__init__()
         tfmemopt.make_config(budget, **fields)  # the errors of tfmemopt.enable, now
+        if not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"MemoryOptimizer: retries={retries!r}; allowed: an int >= 0")
+        if not isinstance(guard_steps, int) or guard_steps < 1:
+            raise ValueError(
+                f"MemoryOptimizer: guard_steps={guard_steps!r}; allowed: an int >= 1")
+        self.retries = retries
+        self.guard_steps = guard_steps
+        self.budget_bytes = None  # lowered after a retry; kept for later steps and fits
+        self.retries_done = []
+        self._steps_since_plan = 0
         self._budget = budget
         self._fields = fields
         self.plot_to = plot_to
@@ -147,7 +171,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._previous = tfmemopt.enabled_config()
         self._before = {r.graph_id for r in tfmemopt.reports()}
         self._test_graphs = set()
-        tfmemopt.enable(self._budget, **fields)
+        self._fit_fields = fields
+        self._enable()
         self._active = True
         # A fresh trace, so that this fit's step gets optimized and reported even if
         # an earlier fit instantiated it under the same config.
@@ -157,7 +182,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
 
         def train_function(iterator):
             try:
-                return step(iterator)
+                if self.retries == 0:
+                    return step(iterator)
+                return self._guarded_step(step, iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise  # the end of an epoch
             except BaseException:
@@ -180,7 +207,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._restore()
         self.reports = [
             r for r in tfmemopt.reports()
-            if _TRAIN_GRAPH in r.graph_id and r.graph_id not in self._before
+            if any(g in r.graph_id for g in _TRAIN_GRAPHS) and r.graph_id not in self._before
             and r.graph_id not in self._test_graphs
         ]
         self.report = self.reports[-1] if self.reports else None
@@ -192,6 +219,84 @@ class MemoryOptimizer(keras.callbacks.Callback):
         if self.plot_to:
             self.report.plot(self.plot_to, title="Keras train step")
             _logger().info("tfmemopt: memory timeline saved to %s", self.plot_to)
+
+    # --- the feedback loop (tfmemopt.feedback) ---
+
+    def _enable(self):
+        fields = dict(self._fit_fields)
+        budget = self._budget
+        if self.budget_bytes is not None:
+            budget = self.budget_bytes
+            for name in ("budget_bytes", "budget_fraction"):
+                fields.pop(name, None)
+        tfmemopt.enable(budget, **fields)
+
+    def _guarded_step(self, step, iterator):
+        """Runs one train step on batches read beforehand, so that a step that runs
+        out of memory can be re-planned and retried with the same batches."""
+        batches = []
+        for _ in range(self.model.steps_per_execution):
+            try:
+                batches.append(next(iterator))
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break
+        if not batches:
+            raise StopIteration
+        while True:
+            guarded = self._steps_since_plan < self.guard_steps
+            snapshot = devices = None
+            if guarded:
+                snapshot = feedback.VariableSnapshot(self._step_variables())
+                devices = feedback.memory_devices(None)
+                feedback.reset_peaks(devices)
+            try:
+                logs = step(batches)
+            except tf.errors.ResourceExhaustedError as error:
+                report = self._latest_report()
+                if report is None:
+                    raise
+                if snapshot is None:
+                    # Past the guarded steps, variables may be partly updated: the
+                    # lower budget is for the next plan; this step is not retried.
+                    self._lower_budget(report, error, {}, retrying=False)
+                    raise
+                snapshot.restore()  # the failed attempt's updates never survive
+                if len(self.retries_done) >= self.retries:
+                    raise
+                self._lower_budget(report, error, feedback.read_peaks(devices))
+                continue
+            self._steps_since_plan += 1
+            if devices:
+                report = self._latest_report()
+                if report is not None:
+                    feedback.record_measured_peak(report, feedback.read_peaks(devices))
+            return logs
+
+    def _step_variables(self):
+        model = self.model
+        variables = list(model.variables) + list(getattr(model, "metrics_variables", []))
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        return variables
+
+    def _latest_report(self):
+        mine = [r for r in tfmemopt.reports()
+                if any(g in r.graph_id for g in _TRAIN_GRAPHS)
+                and r.graph_id not in self._before and r.graph_id not in self._test_graphs]
+        return mine[-1] if mine else None
+
+    def _lower_budget(self, report, error, peaks, retrying=True):
+        record = feedback.next_budget(report, error, peaks)
+        if record["new_budget_bytes"] is None:
+            raise error
+        if retrying:
+            self.retries_done.append(record)
+        feedback.log_retry("the batch", record, len(self.retries_done) if retrying else None,
+                           self.retries)
+        self.budget_bytes = record["new_budget_bytes"]
+        self._steps_since_plan = 0
+        self._enable()
 
     # --- helpers ---
 

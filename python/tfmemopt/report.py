@@ -119,6 +119,20 @@ class Report:
         self.schedule = data.get("schedule", {})
         self.stage_seconds = data["stage_seconds"]
         self.total_seconds = data["total_seconds"]
+        # Where the allocator tells its peak: the first steps of this graph as run
+        # by tfmemopt.function or the Keras callback, {device: bytes}; else None.
+        from tfmemopt import feedback
+
+        self.measured_peak_bytes = feedback.measured_peak(self.graph_id)
+
+    @property
+    def measured_peak_error(self):
+        """{device: predicted / measured - 1} where a peak was measured, else None."""
+        if not self.measured_peak_bytes:
+            return None
+        after = self.predicted_peak_bytes["after"]
+        return {d: after[d] / m - 1 for d, m in self.measured_peak_bytes.items()
+                if m and after.get(d)}
 
     @property
     def recomputed_ops(self):
@@ -162,7 +176,10 @@ class Report:
         return not refused and all(after[d] <= self.budget_bytes[d] for d in self.devices)
 
     def to_dict(self):
-        return json.loads(json.dumps(self._data))
+        data = json.loads(json.dumps(self._data))
+        if self.measured_peak_bytes:
+            data["measured_peak_bytes"] = dict(self.measured_peak_bytes)
+        return data
 
     def to_text(self):
         lines = [f"TfMemOpt report for graph {self.graph_id} ({self.mode})"]
@@ -194,6 +211,11 @@ class Report:
                     " region; they start at 2 MiB, double and are never merged), although"
                     " the peak is below the device's memory"
                 )
+            measured = (self.measured_peak_bytes or {}).get(d["device"])
+            if measured:
+                lines.append(
+                    f"  {name}: measured peak {format_bytes(measured)} "
+                    f"({100 * (d['peak_after_bytes'] / measured - 1):+.1f} % predicted)")
         if self.unresolved_tensors:
             examples = ", ".join(self._data["unresolved_examples"])
             lines.append(

@@ -1,0 +1,175 @@
+"""The runtime feedback loop: measured peaks next to predictions, and re-planning when a
+planned step runs out of memory anyway.
+
+The pass predicts a step's peak before the step runs. Where the device's allocator can
+tell its peak (TF's BFC allocator: every GPU, and the CPU test bed with
+TF_CPU_ALLOCATOR_USE_BFC=true), the first steps of a planned graph are measured
+(`tf.config.experimental.get_memory_info`) and recorded against the prediction:
+`Report.measured_peak_bytes`, with one log line when the prediction is off by more
+than 5 %.
+
+When a planned step runs out of memory, the budget it was planned under was too high
+for what TF really allocated. `Retrier` (used by tfmemopt.function and the Keras
+callback) puts back every variable the failed attempt may have updated, lowers the
+budget by the allocation that failed (or by 5 % when TF does not say), re-plans by
+re-instantiating the function under the lower budget, and retries the same step with
+the same inputs: the step's results are those of a run that never ran out of memory.
+Variables are snapshot to host memory only for the first `guard_steps` calls after
+each (re)plan, where an out-of-memory error is to be expected (BFC's regions settle in
+the first steps). Past them, a step that runs out of memory may have updated some
+variables already, so it is not retried: the lower budget is kept for the next plan
+and the error is raised with a line saying so.
+"""
+
+import re
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+_lock = threading.Lock()
+_measured = {}  # graph_id -> {device: peak bytes}
+ERROR_TO_LOG = 0.05
+_OOM = re.compile(r"OOM when allocating tensor with shape\[([0-9, ]*)\] and type (\w+)"
+                  r"(?: on (\S+))?")
+DEFAULT_STEP = 0.05  # of the budget, when TF does not say what it could not allocate
+
+
+def measured_peak(graph_id):
+    """{device: bytes} recorded for graph `graph_id`, or None."""
+    with _lock:
+        peaks = _measured.get(graph_id)
+        return dict(peaks) if peaks else None
+
+
+def record_measured_peak(report, peaks):
+    """Records measured peaks {device: bytes} for `report`'s graph and logs one line
+    per device whose prediction is off by more than 5 %."""
+    if not peaks:
+        return
+    with _lock:
+        _measured[report.graph_id] = dict(peaks)
+    predicted = report.predicted_peak_bytes["after"]
+    for device, measured in peaks.items():
+        want = predicted.get(device)
+        if not want or not measured:
+            continue
+        error = want / measured - 1
+        if abs(error) > ERROR_TO_LOG:
+            tf.get_logger().info(
+                "tfmemopt: graph %s on %s: measured peak %.1f MiB, predicted %.1f MiB "
+                "(%+.1f %%)", report.graph_id, device, measured / 2**20, want / 2**20,
+                100 * error)
+
+
+def memory_devices(devices):
+    """Of the short device names `devices` ('CPU:0', 'GPU:0'), those whose allocator
+    reports its peak (get_memory_info works), as {name: tf device string}."""
+    if not devices:
+        gpus = tf.config.list_logical_devices("GPU")
+        devices = [d.name.split("device:")[-1] for d in gpus] or ["CPU:0"]
+    out = {}
+    for name in devices:
+        try:
+            tf.config.experimental.get_memory_info(name)
+        except (ValueError, tf.errors.OpError):
+            continue
+        out[name] = name
+    return out
+
+
+def reset_peaks(devices):
+    for name in devices:
+        tf.config.experimental.reset_memory_stats(name)
+
+
+def read_peaks(devices):
+    return {name: tf.config.experimental.get_memory_info(name)["peak"] for name in devices}
+
+
+def missing_bytes(error):
+    """(bytes of the allocation that failed, its device) from an out-of-memory error, or
+    (None, None) when its message does not say."""
+    match = _OOM.search(str(error))
+    if not match:
+        return None, None
+    dims = [int(d) for d in match.group(1).replace(" ", "").split(",") if d]
+    try:
+        size = tf.as_dtype(match.group(2)).size
+    except TypeError:
+        return None, None
+    device = match.group(3)
+    if device:
+        device = device.rsplit("device:", 1)[-1]
+    return int(np.prod(dims, dtype=np.int64)) * size, device
+
+
+def lowered_budget(budget, predicted, missing, peak_at_failure=None):
+    """The next budget after an out-of-memory error, in bytes.
+
+    It starts from the lowest of the budget the plan was made under, the peak the plan
+    predicted, and what the allocator proved it cannot hold (the bytes in use when it
+    failed, `peak_at_failure`, plus the allocation it could not make), and goes below
+    that by what TF could not allocate, and by at least 5 %.
+    """
+    bounds = [b for b in (budget, predicted) if b]
+    if peak_at_failure and missing:
+        bounds.append(peak_at_failure + missing)
+    if not bounds:
+        return None
+    start = min(bounds)
+    # A plan that ran out of memory was too close to the device's limit: the next one
+    # keeps at least 5 % free, so that run-to-run changes in TF's order fit too.
+    return max(1, int(start - max(missing or 0, int(DEFAULT_STEP * start))))
+
+
+def next_budget(report, error, peaks):
+    """What an out-of-memory error of the step planned in `report` says about the next
+    plan: a dict with graph_id, device, budget_bytes, predicted_peak_bytes,
+    missing_bytes, in_use_at_failure and new_budget_bytes (None when nothing is known
+    to plan from). `peaks`: {device: bytes in use when the step failed}."""
+    missing, device = missing_bytes(error)
+    if device not in report.budget_bytes:
+        device = max(report.budget_bytes, key=lambda d: report.budget_bytes[d], default=None)
+    budget = report.budget_bytes.get(device) or None
+    predicted = report.predicted_peak_bytes["after"].get(device) or None
+    in_use = peaks.get(device)
+    return {"graph_id": report.graph_id, "device": device, "budget_bytes": budget,
+            "predicted_peak_bytes": predicted, "missing_bytes": missing,
+            "in_use_at_failure": in_use,
+            "new_budget_bytes": lowered_budget(budget, predicted, missing, in_use)}
+
+
+def log_retry(what, record, retry, retries):
+    """One WARNING line for a re-plan; `retry` is its number, or None when the step is
+    not retried (past the guarded steps)."""
+    mib = lambda b: f"{b / 2**20:.1f} MiB" if b else "unknown"  # noqa: E731
+    missing = record["missing_bytes"]
+    then = (f"retrying {what} (retry {retry} of {retries})" if retry is not None else
+            f"not retrying {what}: past the first steps after a plan, variables may "
+            f"be partly updated; the next plan uses this budget")
+    tf.get_logger().warning(
+        "tfmemopt: graph %s ran out of memory on %s (%s); re-planning under a budget of "
+        "%s (was %s, predicted peak %s), %s", record["graph_id"], record["device"],
+        f"could not allocate {mib(missing)}" if missing else "allocation size not given",
+        mib(record["new_budget_bytes"]), mib(record["budget_bytes"]),
+        mib(record["predicted_peak_bytes"]), then)
+
+
+class VariableSnapshot:
+    """Host copies of variables, to put back what a failed step may have updated."""
+
+    def __init__(self, variables):
+        seen, self._pairs = set(), []
+        for var in variables:
+            if id(var) in seen:
+                continue
+            seen.add(id(var))
+            self._pairs.append((var, np.array(var.numpy(), copy=True)))
+
+    def restore(self):
+        for var, value in self._pairs:
+            var.assign(value)
+
+    def __len__(self):
+        return len(self._pairs)

@@ -1,0 +1,169 @@
+"""`tfmemopt.function`: tf.function, with the runtime feedback loop of feedback.py.
+
+    tfmemopt.enable(budget="6GiB")
+
+    @tfmemopt.function          # or tfmemopt.function(train_step, jit_compile=False, ...)
+    def train_step(x, y):
+        ...
+
+It takes tf.function's keywords and behaves as tf.function. Its calls are planned by the
+pass with the config of tfmemopt.enable(); in addition:
+
+* the first `guard_steps` calls after each (re)plan are measured where the allocator
+  tells its peak, and the measured peak goes into the graph's report
+  (`Report.measured_peak_bytes`);
+* when one of those calls runs out of memory, the variables it may have updated are put
+  back, the budget is lowered by the allocation that failed (feedback.lowered_budget),
+  the function is re-planned under it, and the call is retried with the same inputs,
+  up to `retries` times; each retry is logged and listed in `retries_done`. The lowered
+  budget applies to this function only and is kept for its later calls.
+"""
+
+import functools
+
+import tensorflow as tf
+
+import tfmemopt
+from tfmemopt import _eager_context, feedback
+from tfmemopt.config import custom_optimizer_entry, make_config, with_entry
+
+_BUDGET_FIELDS = ("budget_bytes", "budget_fraction")
+
+
+def _fields_of(config):
+    from tfmemopt.config import _is_repeated
+
+    return {field.name: list(value) if _is_repeated(field) else value
+            for field, value in config.ListFields()}
+
+
+class Function:
+    """A tf.function that re-plans and retries a step that runs out of memory."""
+
+    def __init__(self, python_function, retries=3, guard_steps=2, **tf_function_kwargs):
+        if not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"tfmemopt.function: retries={retries!r}; allowed: an int >= 0")
+        if not isinstance(guard_steps, int) or guard_steps < 1:
+            raise ValueError(
+                f"tfmemopt.function: guard_steps={guard_steps!r}; allowed: an int >= 1")
+        self._function = tf.function(python_function, **tf_function_kwargs)
+        functools.update_wrapper(self, python_function)
+        self.retries = retries
+        self.guard_steps = guard_steps
+        self.budget_bytes = None  # this function's own budget, after a retry
+        self.retries_done = []    # one dict per retry: graph_id, device, budgets, missing
+        self._calls_since_plan = 0
+        self._warned = False
+
+    @property
+    def python_function(self):
+        return self._function.python_function
+
+    def get_concrete_function(self, *args, **kwargs):
+        return self._function.get_concrete_function(*args, **kwargs)
+
+    def __get__(self, instance, owner):
+        # As a method: bind like tf.function does, keeping the retry state per wrapper.
+        if instance is None:
+            return self
+        return functools.partial(self.__call__, instance)
+
+    def __call__(self, *args, **kwargs):
+        config = tfmemopt.enabled_config()
+        if config is None:
+            if not self._warned:
+                tf.get_logger().warning(
+                    "tfmemopt.function: tfmemopt.enable() is not in force, so %s runs as a "
+                    "plain tf.function", getattr(self, "__name__", "the function"))
+                self._warned = True
+            return self._function(*args, **kwargs)
+        while True:
+            guarded = self._calls_since_plan < self.guard_steps
+            snapshot = devices = None
+            if guarded:
+                concrete = self._function.get_concrete_function(*args, **kwargs)
+                snapshot = feedback.VariableSnapshot(concrete.variables)
+                devices = feedback.memory_devices(self._devices(concrete))
+                feedback.reset_peaks(devices)
+            try:
+                with self._own_budget(config):
+                    result = self._function(*args, **kwargs)
+            except tf.errors.ResourceExhaustedError as error:
+                report = self._report(args, kwargs)
+                if report is None:
+                    raise  # not planned by the pass: nothing to re-plan
+                if snapshot is None:
+                    # Past the guarded steps, variables may be partly updated: the
+                    # lower budget is for the next plan; this step is not retried.
+                    self._lower_budget(report, error, {}, retrying=False)
+                    raise
+                snapshot.restore()  # the failed attempt's updates never survive
+                if len(self.retries_done) >= self.retries:
+                    raise
+                self._lower_budget(report, error, feedback.read_peaks(devices) if devices else {})
+                continue
+            self._calls_since_plan += 1
+            if devices:
+                report = self._report(args, kwargs)
+                if report is not None:
+                    feedback.record_measured_peak(report, feedback.read_peaks(devices))
+            return result
+
+    # --- helpers ---
+
+    def _own_budget(self, config):
+        if self.budget_bytes is None:
+            return _NullContext()
+        fields = {k: v for k, v in _fields_of(config).items() if k not in _BUDGET_FIELDS}
+        entry = custom_optimizer_entry(make_config(self.budget_bytes, **fields))
+        return _eager_context.thread_config_edit(
+            lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
+
+    def _report(self, args, kwargs):
+        name = self._function.get_concrete_function(*args, **kwargs).name
+        name = name.decode() if isinstance(name, bytes) else name
+        mine = [r for r in tfmemopt.reports() if r.graph_id == name]
+        return mine[-1] if mine else None
+
+    @staticmethod
+    def _devices(concrete):
+        devices = set()
+        for op in concrete.graph.get_operations():
+            spec = tf.DeviceSpec.from_string(op.device or "")
+            if spec.device_type:
+                devices.add(f"{spec.device_type}:{spec.device_index or 0}")
+        return sorted(devices) or ["CPU:0"]
+
+    def _lower_budget(self, report, error, peaks, retrying=True):
+        record = feedback.next_budget(report, error, peaks)
+        if record["new_budget_bytes"] is None:
+            raise error
+        if retrying:
+            self.retries_done.append(record)
+        feedback.log_retry("the step", record, len(self.retries_done) if retrying else None,
+                           self.retries)
+        self.budget_bytes = record["new_budget_bytes"]
+        self._calls_since_plan = 0
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def function(func=None, *, retries=3, guard_steps=2, **tf_function_kwargs):
+    """tf.function with tfmemopt's feedback loop (see the module docstring).
+
+    Use as @tfmemopt.function, @tfmemopt.function(retries=2, input_signature=...), or
+    tfmemopt.function(fn, ...). `retries`: how many times a step that runs out of memory
+    is re-planned and retried (0: never). `guard_steps`: how many calls after each
+    (re)plan are measured and guarded by a host snapshot of the variables they may
+    update. Other keywords go to tf.function.
+    """
+    if func is None:
+        return lambda f: Function(f, retries=retries, guard_steps=guard_steps,
+                                  **tf_function_kwargs)
+    return Function(func, retries=retries, guard_steps=guard_steps, **tf_function_kwargs)

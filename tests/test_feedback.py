@@ -1,0 +1,168 @@
+"""The runtime feedback loop: a planned step that runs out of memory is re-planned under
+a lower budget and retried with the same inputs, in tfmemopt.function and in the Keras
+callback, and its results equal, bit for bit, those of a run that never ran out of
+memory; the first steps' measured peak goes into the report.
+
+The out-of-memory errors are real: the allocator is capped (TF's BFC CPU allocator, a
+fresh interpreter per run) below the budget the pass is first given, so the first
+plan, which fits that budget, does not fit the device. Every step of these short runs
+is guarded (guard_steps=10), so that whichever step runs out of memory (TF's order,
+and with it the peak, moves from step to step near the limit) is retried.
+"""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from conftest import run_python
+from tfmemopt import feedback
+
+CAP_MB = 26
+FIRST_BUDGET = 34_000_000  # over the 26 MiB cap: the first plan runs out of memory
+
+_CUSTOM_LOOP = r'''
+import json, sys
+import tensorflow as tf
+import tfmemopt
+sys.path.insert(0, sys.argv[1])
+from conftest import chain_mlp
+mode = sys.argv[2]
+step, x, ws = chain_mlp(depth=24)
+if mode == "retry":
+    tfmemopt.enable(budget=int(sys.argv[3]), log_level=0)
+    step = tfmemopt.function(step.python_function, retries=6, guard_steps=10)
+losses = [float(step(x)).hex() for _ in range(3)]
+out = {"losses": losses, "weights": [w.numpy().tobytes().hex()[:4096] for w in ws]}
+if mode == "retry":
+    report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")][-1]
+    out.update(retries=step.retries_done, measured=report.measured_peak_bytes,
+               predicted=report.predicted_peak_bytes["after"], budget=report.budget_bytes)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _result(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):]), proc.stderr
+
+
+def _capped(mb):
+    return {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(mb),
+            "TF_CPP_MIN_LOG_LEVEL": "1"}
+
+
+TESTS = __import__("os").path.dirname(__file__)
+
+
+def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run():
+    plain, _ = _result(run_python(_CUSTOM_LOOP, TESTS, "plain", env=_capped(1024)))
+    retried, log = _result(run_python(_CUSTOM_LOOP, TESTS, "retry", FIRST_BUDGET,
+                                      env=_capped(CAP_MB)))
+    assert retried["retries"], "the first plan did not run out of memory"
+    assert log.count("retrying the step (retry") == len(retried["retries"])
+    budgets = [r["new_budget_bytes"] for r in retried["retries"]]
+    assert budgets == sorted(budgets, reverse=True)  # each retry plans lower
+    assert retried["budget"]["CPU:0"] == budgets[-1]  # the plan that trained
+    assert retried["losses"] == plain["losses"]
+    assert retried["weights"] == plain["weights"]
+    # Measured: the first steps of the plan that trained, under the cap.
+    assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
+
+
+_PARTIAL_UPDATE = r'''
+import json
+import tensorflow as tf
+import tfmemopt
+tfmemopt.enable(budget=1 << 30, log_level=0)
+counter = tf.Variable(0.0)
+x = tf.ones([1024, 1024])  # 4 MiB
+
+@tfmemopt.function(retries=2)
+def step(x):
+    with tf.control_dependencies([counter.assign_add(1.0)]):
+        # 64 MiB at once: more than the 48 MiB cap whatever the plan.
+        big = tf.tile(x, [16, 1])
+    return tf.reduce_sum(tf.tanh(big))
+
+try:
+    step(x)
+    error = None
+except tf.errors.ResourceExhaustedError as e:
+    error = type(e).__name__
+print("RESULT " + json.dumps({"error": error, "counter": float(counter.numpy()),
+                              "retries": len(step.retries_done)}))
+'''
+
+
+def test_no_update_of_a_failed_attempt_survives():
+    # The counter is incremented before the allocation that fails, in every attempt.
+    result, _ = _result(run_python(_PARTIAL_UPDATE, env=_capped(48)))
+    assert result["error"] == "ResourceExhaustedError"
+    assert result["retries"] == 2
+    assert result["counter"] == 0.0
+
+
+_KERAS = r'''
+import json, sys
+import numpy as np
+import keras, tensorflow as tf
+import tfmemopt
+from tfmemopt.keras import MemoryOptimizer
+mode = sys.argv[1]
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((256,))] +
+                         [keras.layers.Dense(256, activation="relu") for _ in range(24)] +
+                         [keras.layers.Dense(1)])
+model.compile(keras.optimizers.SGD(0.01), "mse")
+rng = np.random.default_rng(0)
+x = rng.standard_normal((3 * 1024, 256)).astype(np.float32)
+y = rng.standard_normal((3 * 1024, 1)).astype(np.float32)
+callbacks = []
+if mode == "retry":
+    callback = MemoryOptimizer(budget=int(sys.argv[2]), log_level=0, print_report=False,
+                               retries=6, guard_steps=10)
+    callbacks = [callback]
+history = model.fit(x, y, batch_size=1024, epochs=2, shuffle=False, verbose=0,
+                    callbacks=callbacks)
+out = {"losses": [float(l).hex() for l in history.history["loss"]],
+       "weights": [w.numpy().tobytes().hex()[:4096] for w in model.weights]}
+if mode == "retry":
+    out.update(retries=callback.retries_done,
+               measured=callback.report.measured_peak_bytes if callback.report else None)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_keras_fit_retries_the_batch_and_equals_an_uncapped_fit():
+    # Without oneDNN: in TF 2.21 an out-of-memory error inside some oneDNN kernels
+    # (mkl_util.h) kills the interpreter with SIGSEGV before Python sees the error, and
+    # no retry can help a dead process (docs/troubleshooting.md).
+    no_onednn = {"TF_ENABLE_ONEDNN_OPTS": "0"}
+    plain, _ = _result(run_python(_KERAS, "plain", env={**_capped(1024), **no_onednn}))
+    retried, log = _result(run_python(_KERAS, "retry", FIRST_BUDGET,
+                                      env={**_capped(CAP_MB), **no_onednn}))
+    assert retried["retries"], "the first plan did not run out of memory"
+    assert log.count("retrying the batch (retry") == len(retried["retries"])
+    assert retried["losses"] == plain["losses"]
+    assert retried["weights"] == plain["weights"]
+    assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
+
+
+def test_the_failed_allocation_is_read_from_tfs_error():
+    error = tf.errors.ResourceExhaustedError(
+        None, None, "OOM when allocating tensor with shape[320,16,16,256] and type float on "
+        "/job:localhost/replica:0/task:0/device:GPU:0 by allocator GPU_0_bfc")
+    assert feedback.missing_bytes(error) == (320 * 16 * 16 * 256 * 4, "GPU:0")
+    assert feedback.missing_bytes(ValueError("something else")) == (None, None)
+
+
+@pytest.mark.parametrize("budget, predicted, missing, in_use, want", [
+    (100, 90, 10, None, 80),      # below the prediction, by what was missing
+    (100, 90, None, None, 86),    # 5 % of it when TF does not say
+    (100, 90, 1, None, 86),       # and never less than 5 %
+    (100, 90, 10, 50, 50),        # the allocator held 50 and could not add 10
+])
+def test_the_budget_goes_below_what_was_proven_too_much(budget, predicted, missing, in_use, want):
+    assert feedback.lowered_budget(budget, predicted, missing, in_use) == want
