@@ -1,6 +1,15 @@
 """Result files: what a benchmark measured, with the command, commit and machine.
 
-A benchmark run with `--save` writes docs/results/NAME.json:
+    python benchmarks/results.py run NAME [ARGS...]
+
+runs `python benchmarks/NAME.py ARGS --json`, shows its output, and writes the JSON
+object it prints last to docs/results/NAME.json (a benchmark may also call save()
+itself, e.g. under a --save flag). A run whose log is kept (its JSON line last) can be
+recorded afterwards, naming the command and the commit it ran:
+
+    python benchmarks/results.py import NAME LOG --command "python benchmarks/..." --commit abc1234
+
+The file:
 
     {"benchmark": NAME, "command": "python benchmarks/NAME.py ARGS",
      "commit": "abc1234" (+ "-dirty" when the tree had uncommitted changes),
@@ -71,3 +80,65 @@ def save(name, result, argv=None, path=None):
 def load(name):
     with open(os.path.join(RESULTS, f"{name}.json")) as f:
         return json.load(f)
+
+
+def _last_json(text):
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
+
+
+def main():
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Record a benchmark's result file.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    run = sub.add_parser("run", help="run benchmarks/NAME.py ARGS --json and record it")
+    run.add_argument("name")
+    run.add_argument("args", nargs=argparse.REMAINDER)
+    imp = sub.add_parser("import", help="record the last JSON line of a kept log")
+    imp.add_argument("name")
+    imp.add_argument("log")
+    imp.add_argument("--command", required=True)
+    imp.add_argument("--commit", required=True)
+    args = parser.parse_args()
+    if args.verb == "run":
+        argv = list(args.args)
+        if "--json" not in argv:
+            argv.append("--json")
+        script = os.path.join(ROOT, "benchmarks", f"{args.name}.py")
+        if not os.path.exists(script):
+            parser.error(f"no benchmark {script}")
+        proc = subprocess.run([sys.executable, script, *argv], stdout=subprocess.PIPE, text=True)
+        sys.stdout.write(proc.stdout)
+        result = _last_json(proc.stdout)
+        if proc.returncode != 0 or result is None:
+            print(f"results: {args.name} exited {proc.returncode} without a JSON result; "
+                  "nothing recorded", file=sys.stderr)
+            return 1
+        print("results: wrote", save(args.name, result, argv))
+        return 0
+    with open(args.log) as f:
+        result = _last_json(f.read())
+    if result is None:
+        print(f"results: {args.log} has no JSON line", file=sys.stderr)
+        return 1
+    path = save(args.name, result)
+    with open(path) as f:
+        record = json.load(f)
+    record["command"], record["commit"] = args.command, args.commit
+    record["imported_from_log"] = os.path.basename(args.log)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print("results: wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
