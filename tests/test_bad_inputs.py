@@ -1,4 +1,4 @@
-"""Every rejected input, with its exact message: the README's table "Rejected inputs"
+"""Every rejected input, with its exact message: docs/troubleshooting.md's table "Rejected inputs"
 is the specification, and this test runs each of its rows.
 
 A row is `| interface | input | exit | message |`:
@@ -31,12 +31,12 @@ import tfmemopt
 from tfmemopt import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
+TABLE = os.path.join(ROOT, "docs", "troubleshooting.md")
 START, END = "<!-- rejected-inputs:start -->", "<!-- rejected-inputs:end -->"
 
 
 def readme_rows():
-    text = open(README, encoding="utf-8").read()
+    text = open(TABLE, encoding="utf-8").read()
     table = text[text.index(START) + len(START):text.index(END)]
     rows = []
     for line in table.strip().splitlines()[2:]:  # after the header and its rule
@@ -76,7 +76,7 @@ def namespace():
 
 def run_python_row(source, names):
     try:
-        eval(source, dict(names))  # noqa: S307 (the README's own examples)
+        eval(source, dict(names))  # noqa: S307 (the table's own examples)
     except Exception as err:  # noqa: BLE001 (any rejection is what we look at)
         return "", f"{type(err).__name__}: {err}"
     return "", "(accepted)"
@@ -174,7 +174,7 @@ def test_every_row_is_rejected_with_its_exact_message(outcomes):
     for (interface, source, code, message), (got_code, got_message) in outcomes:
         expected_code = "" if code == "—" else code
         if (got_code, got_message) != (expected_code, message):
-            wrong.append(f"{interface} {source}:\n  README: {code} {message}\n  "
+            wrong.append(f"{interface} {source}:\n  docs: {code} {message}\n  "
                          f"actual: {got_code} {got_message}")
     assert not wrong, "\n".join(wrong)
 
@@ -235,11 +235,11 @@ def test_every_raise_of_a_rejected_input_has_a_row():
             continue  # nothing distinctive (a message made of values only)
         if not any(piece in m for m in messages):
             missing.append(f"{where}: {piece!r}")
-    assert not missing, "raise sites without a README row:\n" + "\n".join(missing)
+    assert not missing, "raise sites without a row in docs/troubleshooting.md:\n" + "\n".join(missing)
 
 
 # ---------------------------------------------------------------------------------
-# `python tests/test_bad_inputs.py INTERFACE INPUT...` prints rows for the README.
+# `python tests/test_bad_inputs.py INTERFACE INPUT...` prints rows for docs/troubleshooting.md.
 
 if __name__ == "__main__":
     import sys

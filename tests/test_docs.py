@@ -89,3 +89,122 @@ def test_check_mode_fails_on_a_stale_readme_and_the_tool_fixes_it(tmp_path):
     assert run().returncode == 0
     assert run("--check").returncode == 0
     assert readme.read_text() == README.read_text()
+
+
+# --- every command in the docs exists; every result table is its file's ------------
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+
+DOC_FILES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+_COMMAND = re.compile(
+    r"(?:python (?:-m tfmemopt|(?:benchmarks|tools)/\w+\.py)"
+    r"|(?<![\w/.-])tfmemopt (?:analyze|maxbatch|bench|demo)(?!:))[^`\n]*")
+
+
+class _Captured(Exception):
+    pass
+
+
+def _parser_of_script(path):
+    """The ArgumentParser a script's main() builds, without running the script."""
+    source = path.read_text()
+    if "def main(" not in source:
+        return None  # a script that reads sys.argv itself: only its existence is checked
+    spec = importlib.util.spec_from_file_location(f"_docs_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    original = argparse.ArgumentParser.parse_args
+    try:
+        spec.loader.exec_module(module)
+
+        def capture(self, *args, **kwargs):
+            raise _Captured(self)
+
+        argparse.ArgumentParser.parse_args = capture
+        try:
+            module.main()
+        except _Captured as captured:
+            return captured.args[0]
+        raise AssertionError(f"{path}: main() did not parse arguments")
+    finally:
+        argparse.ArgumentParser.parse_args = original
+        sys.path.remove(str(path.parent))
+
+
+def _options(parser, words):
+    """Option strings a command may use: the parser's, and those of the subcommand
+    named in `words`."""
+    options = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for word in words:
+                if word in action.choices:
+                    options |= _options(action.choices[word], [])
+    return options
+
+
+def documented_commands():
+    found = []
+    for path in DOC_FILES:
+        for match in _COMMAND.finditer(path.read_text()):
+            found.append((path.relative_to(ROOT), match.group(0).strip()))
+    return found
+
+
+def test_the_docs_show_commands():
+    files = {str(path) for path, _ in documented_commands()}
+    assert {"README.md", "docs/benchmarks.md", "docs/usage.md"} <= files
+
+
+def test_every_documented_command_exists_and_its_flags_parse():
+    from tfmemopt import cli
+
+    parsers, problems = {}, []
+    for path, command in documented_commands():
+        words = command.split()
+        if words[0] == "python" and words[1] == "-m":
+            parser, rest = cli.build_parser(), words[3:]
+        elif words[0] == "tfmemopt":
+            parser, rest = cli.build_parser(), words[1:]
+        else:
+            script = ROOT / words[1]
+            if not script.exists():
+                problems.append(f"{path}: `{command}`: no file {words[1]}")
+                continue
+            if script not in parsers:
+                parsers[script] = _parser_of_script(script)
+            parser, rest = parsers[script], words[2:]
+        if parser is None:
+            continue
+        known = _options(parser, rest)
+        for word in rest:
+            flag = word.split("=")[0].strip("[]")
+            if flag.startswith("--") and flag not in known:
+                problems.append(f"{path}: `{command}`: {flag} is not an option of it")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_result_table_is_the_one_its_file_gives():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_docs.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_stale_result_table_is_caught(tmp_path):
+    doc = tmp_path / "doc.md"
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
+    gen_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_docs)
+    doc.write_text("<!-- results:plan_time -->\n| a typed figure |\n<!-- /results:plan_time -->\n")
+    assert gen_docs.main(["--check", str(doc)]) == 1
+    assert gen_docs.main([str(doc)]) == 0
+    assert gen_docs.main(["--check", str(doc)]) == 0
+    assert "| a typed figure |" not in doc.read_text()
+
+
+def test_readme_stays_a_front_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 300
+    assert lines[3].startswith("python3 -m venv .venv") and "tfmemopt demo" in lines[3]
+    assert lines[4].startswith("python3 -m venv .venv") and "pytest -q tests" in lines[4]

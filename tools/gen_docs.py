@@ -1,0 +1,253 @@
+"""Renders the result tables of README.md and docs/*.md from docs/results/*.json.
+
+    python tools/gen_docs.py           # rewrites every generated block
+    python tools/gen_docs.py --check   # exit 1 if a block differs from its result file
+
+A generated block is
+
+    <!-- results:NAME[:VIEW] -->
+    ...
+    <!-- /results:NAME[:VIEW] -->
+
+and holds what RENDERERS[NAME, VIEW] makes of docs/results/NAME.json (written by
+benchmarks/results.py: the benchmark's JSON with its command, commit, date and machine).
+Every figure in such a block comes from the file; tests/test_docs.py runs --check. A
+block whose result file does not exist says so, and gives the command that makes it.
+
+Standard library only.
+"""
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"(<!-- results:([\w]+)(?::([\w]+))? -->\n)(.*?)(<!-- /results:\2(?::\3)? -->)",
+                   re.S)
+MIB = 2.0 ** 20
+
+
+def mib(value):
+    return "—" if value is None else f"{value / MIB:.1f} MiB"
+
+
+def pct(value, signed=True):
+    if value is None:
+        return "—"
+    return f"{100 * value:+.1f} %" if signed else f"{100 * value:.1f} %"
+
+
+def num(value):
+    return "—" if value is None else str(value)
+
+
+def source(record):
+    """The line under every table: the command, the commit and the machine."""
+    load = record.get("machine", {}).get("load_average")
+    load = f", load average {load[0]:.1f} at the end" if load else ""
+    imported = " (recorded from its log)" if record.get("imported_from_log") else ""
+    return (f"`{record['command']}` at commit `{record['commit']}`, {record['date']}"
+            f"{imported}{load}.")
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+# --- renderers: record -> markdown lines --------------------------------------------
+
+def plan_time(record):
+    r = record["result"]
+    rows = [[f"{r['nodes']:,}", f"{r['plan_seconds']:.2f} s", f"{r['analysis_only_seconds']:.2f} s",
+             r["simulations"], mib(r["peak_before_bytes"]), mib(r["budget_bytes"]),
+             mib(r["peak_after_bytes"]),
+             "yes" if r["fits"] else "no", r["recomputed_ops"], r["swapped_tensors"]]]
+    return table(["nodes", "pass time", "analysis alone", "plans simulated", "peak before",
+                  "budget", "peak after", "fits", "recomputed ops", "swapped tensors"], rows)
+
+
+def v1_graphs(record):
+    r = record["result"]
+    rows = []
+    for name, g in r["graphs"].items():
+        rows.append([name, mib(g["predicted"]), mib(g["measured"]), pct(g["error"]),
+                     mib(g["budget"]), mib(g["planned_predicted"]), mib(g["planned_measured"]),
+                     f"{g['recomputed']} / {g['swapped']}",
+                     "yes" if g["losses_equal"] else "NO"])
+    return table(["graph", "predicted", "measured", "error", "budget (0.5x)", "planned: predicted",
+                  "planned: measured", "recomputed / swapped", "losses bitwise equal"], rows)
+
+
+def peak_accuracy(record):
+    r = record["result"]
+    rows = []
+    for name, m in r["models"].items():
+        row = [name, mib(m.get("predicted")), mib(m.get("measured")), pct(m.get("error"))]
+        if "planned_predicted" in m:
+            row += [mib(m.get("planned_predicted")), mib(m.get("planned_measured")),
+                    pct(m.get("planned_error"))]
+        rows.append(row)
+    header = ["model", "predicted", "measured", "error"]
+    if any(len(row) > 4 for row in rows):
+        header += ["planned: predicted", "measured", "error"]
+        rows = [row + ["—"] * (7 - len(row)) for row in rows]
+    return table(header, rows) + ["", f"Largest error: {pct(r.get('max_abs_error'), False)}."]
+
+
+def max_batch(key_base, key_swap, key_auto, what):
+    def render(record):
+        r = record["result"]
+        base = r.get(key_base)
+        rows = []
+        for label, key, overhead in (("without tfmemopt", key_base, None),
+                                     ("tfmemopt, swap only" if key_swap == "max_batch_tfmemopt"
+                                      else "tfmemopt, recompute only", key_swap,
+                                      r.get("overhead_at_baseline_max")),
+                                     ("tfmemopt (auto)", key_auto, r.get("overhead_auto"))):
+            value = r.get(key)
+            if value is None:
+                continue
+            ratio = f"{value / base:.2f}x" if base and key != key_base else "1.00x"
+            rows.append([label, value, ratio, pct(overhead) if overhead is not None else "—"])
+        return table(["configuration", f"largest {what}", "vs without", "step time vs without"],
+                     rows)
+    return render
+
+
+def seed000(record):
+    r = record["result"]
+    sizes = r["max_batch"]
+    base = sizes.get("NO_MEM_OPT")
+    rows = [[name, value, f"{value / base:.2f}x" if base and value else "—"]
+            for name, value in sizes.items()]
+    lines = table(["configuration", "largest batch", "vs NO_MEM_OPT"], rows)
+    lines += ["", f"`floor_batch`: {num(r.get('floor_batch'))}; step time at NO_MEM_OPT's "
+                  f"largest batch: {pct(r.get('overhead_at_baseline_max'))}."]
+    return lines
+
+
+def stress(record):
+    r = record["result"]
+    keys = ["cases", "rewritten", "mismatches", "invalid_graphs", "crashes", "violations",
+            "fallbacks", "seconds"]
+    return table(keys, [[num(r.get(k)) for k in keys]])
+
+
+def optimality(record):
+    r = record["result"]
+    keys = ["cases", "proven_optimal", "ratios_counted", "max_ratio", "mean_ratio",
+            "missed_budget", "check_failures"]
+    return table(keys, [[num(r.get(k)) for k in keys]])
+
+
+def peers(record):
+    r = record["result"]
+    models = r.get("models", {})
+    configs = []
+    for per_config in models.values():
+        for name in per_config:
+            if name not in configs:
+                configs.append(name)
+    rows = []
+    for model, per_config in models.items():
+        for name in configs:
+            c = per_config.get(name)
+            if c is None:
+                continue
+            step = c.get("step_s")
+            rows.append([model, name, num(c.get("max_batch")),
+                         f"{step:.3f} s" if isinstance(step, (int, float)) else num(step),
+                         {True: "yes", False: "NO", None: "—"}.get(c.get("loss_equal"), "—"),
+                         c.get("note") or c.get("error") or ""])
+    return table(["model", "configuration", "largest batch", "step time", "losses bitwise equal",
+                  "note"], rows)
+
+
+def peers_summary(record):
+    """README: per model, plain TF, tfmemopt and the best Keras remat mode."""
+    r = record["result"]
+    rows = []
+    for model, per_config in r.get("models", {}).items():
+        plain = per_config.get("plain_tf", {})
+        mine = per_config.get("tfmemopt", {})
+        remat = [(c.get("max_batch") or 0, name) for name, c in per_config.items()
+                 if name.startswith("keras_remat") and c.get("max_batch")]
+        best = max(remat) if remat else (None, None)
+        step = (mine.get("step_s") / plain["step_s"] - 1
+                if mine.get("step_s") and plain.get("step_s") else None)
+        rows.append([model, num(plain.get("max_batch")), num(mine.get("max_batch")),
+                     f"{best[0]} ({best[1]})" if best[1] else "—", pct(step)])
+    return table(["model", "plain TF", "tfmemopt", "Keras remat (best mode)",
+                  "tfmemopt step time vs plain TF"], rows)
+
+
+RENDERERS = {
+    ("plan_time", None): plan_time,
+    ("v1_graphs", None): v1_graphs,
+    ("peak_accuracy", None): peak_accuracy,
+    ("resnet50_lms", None): max_batch("max_batch_baseline", "max_batch_tfmemopt",
+                                      "max_batch_auto", "batch"),
+    ("deep_resnet", None): max_batch("max_depth_baseline", "max_depth_tfmemopt",
+                                     "max_depth_auto", "depth"),
+    ("seed000", None): seed000,
+    ("stress", None): stress,
+    ("optimality", None): optimality,
+    ("peers", None): peers,
+    ("peers", "summary"): peers_summary,
+}
+
+
+def render_block(name, view):
+    renderer = RENDERERS.get((name, view))
+    if renderer is None:
+        raise KeyError(f"no renderer for results:{name}{':' + view if view else ''}")
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return (f"No result file yet: run `python benchmarks/results.py run {name}` "
+                f"(docs/results/{name}.json).\n")
+    record = json.loads(path.read_text())
+    return "\n".join(renderer(record) + ["", source(record)]) + "\n"
+
+
+def render(text):
+    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group(2), m.group(3)) + m.group(5),
+                     text)
+
+
+def _shown(path):
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if ROOT in path.parents else str(path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="do not write; exit 1 if a generated block is out of date")
+    parser.add_argument("files", nargs="*", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    stale = []
+    for path in args.files or DOCS:
+        text = path.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print("generated result tables differ from docs/results in: "
+              + ", ".join(_shown(p) for p in stale)
+              + "; run python tools/gen_docs.py", file=sys.stderr)
+        return 1
+    for path in stale if not args.check else []:
+        print(f"{_shown(path)}: result tables regenerated")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
