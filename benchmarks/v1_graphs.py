@@ -143,9 +143,9 @@ def trial(name, fields, kwargs, inter_op=0, cap_mb=8192):
     return json.loads(lines[-1][len("TRIAL "):])
 
 
-def measure(name, kwargs):
+def measure(name, kwargs, budget_fraction=0.5):
     unplanned = trial(name, {"mode": "ANALYZE_ONLY"}, kwargs)
-    budget = unplanned["measured"] // 2
+    budget = int(unplanned["measured"] * budget_fraction)
     planned = trial(name, {"budget": budget}, kwargs)
     plain_1 = trial(name, None, kwargs, inter_op=1)
     planned_1 = trial(name, {"budget": budget}, kwargs, inter_op=1)
