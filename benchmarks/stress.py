@@ -12,8 +12,9 @@ the last line of stdout is
 with, after those four, how many of the crashes happened while training without the
 pass (TF itself: the worker reports the phase it is in), the cases that violated
 another property (stateful clone, orphan clone, second pass not idempotent, a 'fits'
-claim above the budget), that fell back, that the generator got wrong, and that the
-pass rewrote.
+claim above the budget), that fell back, that the generator got wrong, that the
+pass rewrote, and in which it split work along the batch (their results are compared
+within generated_graphs.SPLIT_RTOL, their first losses bit for bit).
 """
 
 import argparse
@@ -69,6 +70,7 @@ def main(argv=None):
                 counts["crashes_without_tfmemopt"] += err.phase == "baseline"
             counts["cases"] += 1
             counts["rewritten"] += bool(result.get("rewritten"))
+            counts["split"] += bool(result.get("split"))
             outcome = result["outcome"]
             if outcome != "ok":
                 counts[OUTCOME_KEYS[outcome]] += 1
@@ -84,7 +86,7 @@ def main(argv=None):
     summary = {"cases": counts["cases"], "mismatches": counts["mismatches"],
                "invalid_graphs": counts["invalid_graphs"], "crashes": counts["crashes"]}
     for key in ("crashes_without_tfmemopt", "violations", "fallbacks", "generator_errors",
-                "errors", "rewritten"):
+                "errors", "rewritten", "split"):
         summary[key] = counts[key]
     summary["seconds"] = round(time.time() - start, 1)
     text = ", ".join(f"{k} {v}" for k, v in summary.items())
@@ -92,7 +94,8 @@ def main(argv=None):
     if args.json:
         print(json.dumps(summary))
     failed = sum(summary[k] for k in summary
-                 if k not in ("cases", "rewritten", "seconds", "crashes_without_tfmemopt"))
+                 if k not in ("cases", "rewritten", "split", "seconds",
+                              "crashes_without_tfmemopt"))
     return 1 if failed else 0
 
 

@@ -29,6 +29,8 @@ struct MemoryOptimizerOptions {
   bool enable_swap = true;
   bool enable_recompute = true;
   bool enable_schedule = true;
+  // Split per-sample work along the batch when nothing else meets the budget.
+  bool enable_split = true;
   // Below this size a tensor is never swapped or recomputed.
   int64_t min_tensor_bytes = 1 << 20;
   std::vector<std::string> exclude_scopes;
