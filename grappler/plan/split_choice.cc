@@ -245,7 +245,9 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
   int trials = 0;
   for (const std::vector<int>& region : region_sets) {
     int64_t previous_peak = unsplit_peak;
-    for (int k = 2; k <= planner.max_split_slices && k <= batch.batch && trials < kMaxTrials;
+    const int64_t unit = SliceUnit(table, batch, region);
+    for (int k = 2; k <= planner.max_split_slices && !SliceRows(batch.batch, k, unit).empty() &&
+                    trials < kMaxTrials;
          k *= 2) {
       ++trials;
       auto trial = std::make_unique<Trial>();

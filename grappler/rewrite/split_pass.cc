@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -66,7 +67,11 @@ class SplitBuilder {
       return absl::InvalidArgumentError("split: the order does not cover the graph");
     }
     *summary_ = SplitSummary();
-    summary_->rows = SliceRows(batch_.batch, k_);
+    summary_->rows = SliceRows(batch_.batch, k_, SliceUnit(table_, batch_, spec_.nodes));
+    if (summary_->rows.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "split: a batch of ", batch_.batch, " has fewer than ", k_, " aligned slices"));
+    }
     rows_ = summary_->rows;
     in_region_.assign(n, false);
     for (int q : spec_.nodes) {
@@ -434,16 +439,29 @@ class SplitBuilder {
         done.set_name(DoneName(s, i));
         done.set_op("NoOp");
         for (int q : region_) {
-          // Not a BiasAddGrad: oneDNN's layout pass merges it with the
-          // Conv2DBackpropFilter that reads the same gradient, which may belong to a
-          // later stage; a barrier waiting for the merged op would close a cycle.
-          if (stage_[q] != s || !sink_[q] || node(q).def->op() == "BiasAddGrad") continue;
+          if (stage_[q] != s || !sink_[q] || MergedIntoLaterStage(q)) continue;
           if (done.device().empty()) done.set_device(node(q).def->device());
           done.add_input(absl::StrCat("^", SliceName(q, i)));
         }
         extra_.push_back(std::move(done));
       }
     }
+  }
+
+  // oneDNN's layout pass (at run time, after Grappler) merges a BiasAddGrad into
+  // the Conv2DBackpropFilter that reads the same gradient. If that one belongs to
+  // a later stage, a barrier waiting for the BiasAddGrad would wait for the merged
+  // op, and so for the later stage: a cycle. Such a BiasAddGrad is no barrier sink.
+  bool MergedIntoLaterStage(int q) const {
+    if (node(q).def->op() != "BiasAddGrad" || node(q).inputs.empty()) return false;
+    for (int c : table_.tensors[node(q).inputs[0]].consumers) {
+      const std::string& op = node(c).def->op();
+      if ((op == "Conv2DBackpropFilter" || op == "DepthwiseConv2dNativeBackpropFilter") &&
+          (!in_region_[c] || stage_[c] != stage_[q])) {
+        return true;
+      }
+    }
+    return false;
   }
 
   const tensorflow::GraphDef& graph_;
@@ -467,9 +485,31 @@ class SplitBuilder {
 
 }  // namespace
 
-std::vector<int64_t> SliceRows(int64_t batch, int slices) {
-  std::vector<int64_t> rows(slices, batch / slices);
-  for (int64_t i = 0; i < batch % slices; ++i) ++rows[i];
+int64_t SliceUnit(const TensorTable& table, const BatchAnalysis& batch,
+                  const std::vector<int>& region) {
+  int64_t unit = 1;
+  auto align = [&](int t) {
+    const int64_t row_bytes = table.tensors[t].bytes / std::max<int64_t>(batch.batch, 1);
+    if (row_bytes <= 0) return;
+    const int64_t rows = 64 / std::gcd<int64_t>(64, row_bytes);
+    unit = std::lcm(unit, rows);
+  };
+  for (int q : region) {
+    const NodeInfo& node = table.nodes[q];
+    for (int port : batch.nodes[q].batch_inputs) align(node.inputs[port]);
+    if (batch.nodes[q].role == BatchRole::kPerSample) {
+      for (int t : node.outputs) align(t);
+    }
+  }
+  return unit;
+}
+
+std::vector<int64_t> SliceRows(int64_t batch, int slices, int64_t unit) {
+  const int64_t units = batch / unit;
+  if (slices < 1 || units < slices) return {};
+  std::vector<int64_t> rows(slices, units / slices * unit);
+  for (int64_t i = 0; i < units % slices; ++i) rows[i] += unit;
+  rows.back() += batch % unit;
   return rows;
 }
 

@@ -70,9 +70,19 @@ absl::Status BuildSplitGraph(const tensorflow::GraphDef& graph, const TensorTabl
                              const SplitSpec& spec, tensorflow::GraphDef* out,
                              SplitSummary* summary);
 
-// Rows of each of `slices` slices of a batch of `batch` (the first batch % slices
-// slices get one more).
-std::vector<int64_t> SliceRows(int64_t batch, int slices);
+// Slices start at multiples of this many rows: the smallest number whose bytes are
+// a multiple of 64 in every tensor the region cuts or makes. Then a cut of a tensor
+// of rank 2 or more is a view of it, and element-wise kernels, which compute the
+// vectorized body and the scalar tail of a buffer differently, see each element
+// at the same place in its vector as in the whole tensor: per-sample outputs stay
+// bitwise equal.
+int64_t SliceUnit(const TensorTable& table, const BatchAnalysis& batch,
+                  const std::vector<int>& region);
+
+// Rows of each of `slices` slices of a batch of `batch`, starting at multiples of
+// `unit` rows (the remainder of batch / unit goes to the last slice), as even as
+// that allows; empty if the batch has fewer than `slices` units.
+std::vector<int64_t> SliceRows(int64_t batch, int slices, int64_t unit = 1);
 
 }  // namespace tfmemopt
 
