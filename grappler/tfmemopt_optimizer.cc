@@ -288,6 +288,12 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   // (idempotence).
   const bool rewritten_before = HasTfMemOptNodes(item.graph) || HasScheduledNodes(item.graph);
   bool over_budget = SetBudgets(options, &devices);
+  // Below the budget, BFC may still be unable to place a tensor in its regions (the
+  // allocator model refuses it): only a split can help there.
+  bool refused = false;
+  for (size_t d = 0; d < devices.size(); ++d) {
+    refused |= devices[d].budget_bytes > 0 && before.devices[d].allocator_refused_bytes > 0;
+  }
 
   // Schedule: control edges that lower the peak before anything is swapped or
   // recomputed. The planner then plans on the scheduled graph, analyzed afresh.
@@ -351,7 +357,8 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     const bool may_split = options.enable_split && options.mode == Mode::kAuto;
     const bool wanted =
         hinted_recompute ||
-        (over_budget && (planner.enable_recompute || planner.enable_swap || may_split));
+        (over_budget && (planner.enable_recompute || planner.enable_swap || may_split)) ||
+        (refused && may_split);
     if (options.mode == Mode::kAnalyzeOnly || rewritten_before || !wanted) {
       return absl::OkStatus();
     }

@@ -172,6 +172,19 @@ class Classifier {
       if (over_batch && op != "Sum") return Not("op");
       if (over_batch) role = BatchRole::kReduce;
       use.batch_inputs = {0};
+    } else if (op == "Select") {
+      // The condition has the inputs' shape, or is a vector over dimension 0: cut
+      // along the batch either way.
+      use.batch_inputs = {0, 1, 2};
+    } else if (op == "Slice") {
+      // A slice of other axes (a concatenation's gradient): begin 0 along the batch,
+      // and a size per slice.
+      std::vector<int64_t> begin;
+      if (inputs != 3 || !InputInts(node, 1, &begin) || begin.empty() || begin[0] != 0) {
+        return Not("op");
+      }
+      use.batch_inputs = {0};
+      use.shape_inputs = {2};
     } else if (op == "Tile") {
       std::vector<int64_t> multiples;
       if (inputs != 2 || !InputInts(node, 1, &multiples) || multiples.empty() ||

@@ -7,7 +7,7 @@
 //    pooling, bias add, element-wise ops and activations (an input with the
 //    output's rank and batch is cut, one broadcast along the batch is used whole),
 //    MatMul against a weight, reshapes that keep the batch dimension, concatenation
-//    along another axis, reductions and tiling along other axes (global pooling and
+//    along another axis (and the slices its gradient takes), selects, reductions and tiling along other axes (global pooling and
 //    its gradient), softmax and the per-sample cross entropies, and the
 //    gradients of these with respect to their inputs (ReluGrad, MaxPoolGrad,
 //    Conv2DBackpropInput, ...). The fused forms TF's remapper produces on this

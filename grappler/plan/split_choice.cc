@@ -221,6 +221,24 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
   std::vector<std::vector<int>> regions =
       Regions(table, batch, planner, preserved, &out->left_alone);
   VLOG(1) << "TfMemOpt split: batch " << batch.batch << ", " << regions.size() << " regions";
+  if (VLOG_IS_ON(2)) {
+    // Where the regions end: readers of a region tensor outside every region.
+    std::vector<bool> in(table.nodes.size(), false);
+    for (const std::vector<int>& region : regions) {
+      for (int v : region) in[v] = true;
+    }
+    for (const std::vector<int>& region : regions) {
+      for (int v : region) {
+        for (int t : table.nodes[v].outputs) {
+          for (int c : table.tensors[t].consumers) {
+            if (in[c] || ReadsShapeOnly(table.nodes[c].def->op())) continue;
+            VLOG(2) << "  region ends at " << table.nodes[c].def->name() << " ("
+                    << table.nodes[c].def->op() << ": " << batch.nodes[c].why_not << ")";
+          }
+        }
+      }
+    }
+  }
   if (regions.empty()) {
     out->note = "no per-sample ops to split";
     return absl::OkStatus();
