@@ -159,8 +159,29 @@ def draw_spec(c):
     return spec
 
 
+# Split cases: the same specs with batches large enough to cut into slices of
+# 64-byte-aligned rows (rank-1 tensors need 16 rows a slice) and budgets low enough
+# that keeping, swapping and recomputing do not suffice. Drawn after everything
+# draw_spec draws, so a seed's model is the same in both.
+SPLIT_BATCHES = [32, 48, 64, 96]
+SPLIT_BUDGET_RATIOS = [0.0, 0.2, 0.35, 0.5]
+SPLIT_MIN_TENSOR_BYTES = [0, 256, 4096]
+
+
+def draw_split_spec(c):
+    spec = draw_spec(c)
+    spec["batch"] = c.choice(SPLIT_BATCHES)
+    spec["config"]["budget_ratio"] = c.choice(SPLIT_BUDGET_RATIOS)
+    spec["config"]["min_tensor_bytes"] = c.choice(SPLIT_MIN_TENSOR_BYTES)
+    return spec
+
+
 def random_spec(seed):
     return draw_spec(RandomChooser(seed))
+
+
+def random_split_spec(seed):
+    return draw_split_spec(RandomChooser(seed))
 
 
 def hypothesis_specs():

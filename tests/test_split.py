@@ -364,3 +364,44 @@ def test_a_four_convolution_cnn_trains_under_a_third_of_512_mib():
     # Measured by TF's own BFC allocator, one inter-op thread.
     assert split["peak"] <= split["budget"], (split["peak"], split["budget"])
     assert np.allclose(split["losses"], kept_whole["losses"], rtol=1e-5)
+
+
+class ConvTrainer(tf.Module):
+    """A convolutional TF2 training step behind a signature of static batch 64."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.w1 = tf.Variable(rng.standard_normal((3, 3, 1, 32), dtype=np.float32) * 0.1)
+        self.w2 = tf.Variable(rng.standard_normal((3, 3, 32, 64), dtype=np.float32) * 0.05)
+        self.w3 = tf.Variable(rng.standard_normal((64, 10), dtype=np.float32) * 0.1)
+
+    @tf.function(input_signature=[tf.TensorSpec([64, 28, 28, 1], tf.float32),
+                                  tf.TensorSpec([64], tf.int32)])
+    def train_step(self, x, y):
+        variables = [self.w1, self.w2, self.w3]
+        with tf.GradientTape() as tape:
+            h = tf.nn.relu(tf.nn.conv2d(x, self.w1, 1, "SAME"))
+            h = tf.nn.relu(tf.nn.conv2d(h, self.w2, 1, "SAME"))
+            logits = tf.matmul(tf.reduce_mean(h, axis=[1, 2]), self.w3)
+            loss = tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        for variable, grad in zip(variables, tape.gradient(loss, variables)):
+            variable.assign_sub(0.1 * grad)
+        return {"loss": loss}
+
+
+def test_tfmemopt_analyze_shows_the_split(tmp_path):
+    from conftest import tfmemopt_cli
+
+    module = ConvTrainer()
+    path = tmp_path / "conv_train_step"
+    tf.saved_model.save(module, str(path), signatures={"train_step": module.train_step})
+    result = tfmemopt_cli("analyze", path, "--budget", "12MiB", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    split = report["split"]
+    assert split["applied"] and split["batch"] == 64
+    assert f"  split: {len(split['ops'])} ops run as {split['slices']} micro-batches" in \
+        result.stdout
+    assert "slices tried (predicted peak): 2: " in result.stdout
+    assert report["devices"][0]["peak_after_bytes"] <= 12 * 2**20

@@ -207,7 +207,10 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
   out->planned = true;
   BatchAnalysis batch;
   absl::Status status = AnalyzeBatch(item, table, flow, &batch);
-  if (!status.ok()) return status;
+  if (!status.ok()) {
+    out->note = absl::StrCat("the batch could not be analyzed: ", status.message());
+    return absl::OkStatus();
+  }
   out->batch = batch.batch;
   if (batch.batch < 2) {
     out->note = "the batch size is not static (or is 1): nothing is split";
@@ -260,6 +263,7 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
   MemoryPlannerOptions trial_planner = planner;
   trial_planner.max_simulations = std::max(1, planner.max_simulations / 4);
   std::unique_ptr<Trial> best;
+  std::vector<std::string> failures;
   int trials = 0;
   for (const std::vector<int>& region : region_sets) {
     int64_t previous_peak = unsplit_peak;
@@ -276,7 +280,8 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
       status = BuildSplitGraph(item.graph, table, order, batch, trial->spec, &graph,
                                &trial->summary);
       if (!status.ok()) {
-        VLOG(1) << "TfMemOpt split: " << status.message();
+        failures.push_back(absl::StrCat(k, " slices: ", status.message()));
+        VLOG(1) << "TfMemOpt split: " << failures.back();
         break;
       }
       VLOG(1) << "TfMemOpt split: built " << region.size() << " ops in " << k << " slices, "
@@ -287,29 +292,22 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
       if (status.ok()) {
         status = AnalyzeControlFlow(trial->item->graph, trial->table, trial->order, &trial->flow);
       }
-      if (!status.ok()) return status;
-      if (trial->table.devices != table.devices) {
-        VLOG(1) << "TfMemOpt split: the split graph uses other devices; not split";
+      if (status.ok()) {
+        status = trial->table.devices == table.devices
+                     ? absl::OkStatus()
+                     : absl::FailedPreconditionError("the split graph uses other devices");
+      }
+      if (status.ok()) {
+        status = PlanMemory(trial->table, trial->order, trial->flow, trial_planner,
+                            &trial->plan, &trial->rewrite, &trial->simulation);
+      }
+      if (!status.ok()) {
+        // A candidate that cannot be analyzed or planned is not split; the plan
+        // without splitting stands.
+        failures.push_back(absl::StrCat(k, " slices: ", status.message()));
+        VLOG(1) << "TfMemOpt split: " << failures.back();
         break;
       }
-      VLOG(1) << "TfMemOpt split: analyzed " << trial->table.nodes.size() << " nodes";
-      if (VLOG_IS_ON(2)) {
-        for (const NodeInfo& node : trial->table.nodes) {
-          if (node.compute_seconds > 0.05) {
-            VLOG(2) << "  " << node.def->name() << " " << node.def->op() << " "
-                    << node.compute_seconds << " s";
-          }
-        }
-        for (const NodeInfo& node : table.nodes) {
-          if (node.compute_seconds > 0.05) {
-            VLOG(2) << "  original " << node.def->name() << " " << node.def->op() << " "
-                    << node.compute_seconds << " s";
-          }
-        }
-      }
-      status = PlanMemory(trial->table, trial->order, trial->flow, trial_planner, &trial->plan,
-                          &trial->rewrite, &trial->simulation);
-      if (!status.ok()) return status;
       SplitTrial& result = trial->result;
       result.slices = k;
       result.region_nodes = static_cast<int>(region.size());
@@ -335,7 +333,8 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
     if (best != nullptr && best->result.fits) break;  // the smaller region suffices
   }
   if (best == nullptr) {
-    out->note = "no split could be built";
+    out->note = absl::StrCat("no split could be built",
+                             failures.empty() ? "" : absl::StrCat(": ", failures.front()));
     return absl::OkStatus();
   }
   if (!best->result.fits && WorstPeak(best->result.peak_bytes) >= unsplit_peak) {

@@ -10,6 +10,7 @@
 #include "tensorflow/core/framework/attr_value.pb.h"
 #include "tensorflow/core/framework/node_def.pb.h"
 #include "tensorflow/core/framework/tensor.pb.h"
+#include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/graph/tensor_id.h"
 
 namespace tfmemopt {
@@ -295,12 +296,36 @@ class SplitBuilder {
     *def = *node(v).def;
     def->clear_input();
     for (int t : node(v).inputs) def->add_input(OutsideRef(t));
+    DropColocationWithRemoved(def);
     std::vector<std::string> deps;
     for (int u : node(v).control_inputs) {
       if (!(Static(v) && in_region_[u])) ControlFor(u, &deps);
     }
     AddControls(deps, def);
     return absl::OkStatus();
+  }
+
+  // Colocation constraints (`_class: loc:@<node>`) with a node the split removed
+  // would name a node that no longer exists: they are dropped.
+  void DropColocationWithRemoved(NodeDef* def) const {
+    auto it = def->mutable_attr()->find("_class");
+    if (it == def->mutable_attr()->end() || !it->second.has_list()) return;
+    tensorflow::AttrValue kept;
+    kept.mutable_list();
+    for (const std::string& entry : it->second.list().s()) {
+      bool removed = false;
+      if (absl::StartsWith(entry, "loc:@")) {
+        auto found = table_.node_index.find(entry.substr(5));
+        removed = found != table_.node_index.end() &&
+                  (in_region_[found->second] || replaced_[found->second]);
+      }
+      if (!removed) kept.mutable_list()->add_s(entry);
+    }
+    if (kept.list().s_size() == 0) {
+      def->mutable_attr()->erase(it);
+    } else {
+      it->second = kept;
+    }
   }
 
   // A constant's value does not depend on what it waits for.
@@ -489,6 +514,8 @@ int64_t SliceUnit(const TensorTable& table, const BatchAnalysis& batch,
                   const std::vector<int>& region) {
   int64_t unit = 1;
   auto align = [&](int t) {
+    // Integer and boolean kernels compute every element exactly, vectorized or not.
+    if (!tensorflow::DataTypeIsFloating(table.tensors[t].dtype)) return;
     const int64_t row_bytes = table.tensors[t].bytes / std::max<int64_t>(batch.batch, 1);
     if (row_bytes <= 0) return;
     const int64_t rows = 64 / std::gcd<int64_t>(64, row_bytes);

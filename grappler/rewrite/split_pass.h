@@ -71,11 +71,13 @@ absl::Status BuildSplitGraph(const tensorflow::GraphDef& graph, const TensorTabl
                              SplitSummary* summary);
 
 // Slices start at multiples of this many rows: the smallest number whose bytes are
-// a multiple of 64 in every tensor the region cuts or makes. Then a cut of a tensor
-// of rank 2 or more is a view of it, and element-wise kernels, which compute the
-// vectorized body and the scalar tail of a buffer differently, see each element
-// at the same place in its vector as in the whole tensor: per-sample outputs stay
-// bitwise equal.
+// a multiple of 64 in every floating-point tensor the region cuts or makes.
+// Element-wise kernels compute the vectorized body and the scalar tail of a buffer
+// differently (exp, tanh, sigmoid, ... differ in the last bit): aligned, each
+// element sits at the same place in its vector as in the whole tensor, and
+// per-sample outputs stay bitwise equal. (Integer and boolean kernels are exact
+// either way. A cut of rank 2 or more is a view whenever its rows are 64-byte
+// multiples, wherever it starts.)
 int64_t SliceUnit(const TensorTable& table, const BatchAnalysis& batch,
                   const std::vector<int>& region);
 
