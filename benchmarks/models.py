@@ -66,6 +66,47 @@ def lstm_classifier(batch=64, steps=50, features=32, units=128):
     return _train_step(model, _XENT), _classification_batch(batch, (steps, features), 10)
 
 
+def four_conv_cnn(batch=64, size=64, filters=64):
+    """Four 3x3 'same' convolutions of `filters` channels on size x size x 3, global
+    average pooling, dense 10 (issue 18: one convolution's backward needs three
+    [batch, size, size, filters] tensors at once)."""
+    L = tf.keras.layers
+    model = tf.keras.Sequential(
+        [tf.keras.Input((size, size, 3))]
+        + [L.Conv2D(filters, 3, padding="same", activation="relu") for _ in range(4)]
+        + [L.GlobalAveragePooling2D(), L.Dense(10)])
+    return _train_step(model, _XENT), _classification_batch(batch, (size, size, 3), 10)
+
+
+def unet(batch=8, size=128, width=16, depth=3, seed=0):
+    """A U-Net-like segmentation model: `depth` levels of two 3x3 convolutions and
+    2x2 max pooling down, a bottleneck, then per level a stride-2 transposed
+    convolution up, concatenation with the level's skip, two 3x3 convolutions; a
+    1x1 convolution to one logit per pixel, binary cross-entropy against a random
+    mask. Channels double per level from `width`."""
+    L = tf.keras.layers
+    tf.keras.utils.set_random_seed(seed)
+    inputs = tf.keras.Input((size, size, 3))
+    skips, h = [], inputs
+    for level in range(depth):
+        h = L.Conv2D(width << level, 3, padding="same", activation="relu")(h)
+        h = L.Conv2D(width << level, 3, padding="same", activation="relu")(h)
+        skips.append(h)
+        h = L.MaxPooling2D(2)(h)
+    h = L.Conv2D(width << depth, 3, padding="same", activation="relu")(h)
+    for level in reversed(range(depth)):
+        h = L.Conv2DTranspose(width << level, 2, strides=2, padding="same")(h)
+        h = L.Concatenate()([h, skips[level]])
+        h = L.Conv2D(width << level, 3, padding="same", activation="relu")(h)
+        h = L.Conv2D(width << level, 3, padding="same", activation="relu")(h)
+    model = tf.keras.Model(inputs, L.Conv2D(1, 1)(h))
+    loss = tf.keras.losses.BinaryCrossentropy(from_logits=True)
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.random((batch, size, size, 3), dtype=np.float32))
+    y = tf.constant((rng.random((batch, size, size, 1)) > 0.5).astype(np.float32))
+    return _train_step(model, loss), (x, y)
+
+
 MODELS = {
     "seed_cnn": seed_cnn,
     "mlp": mlp,

@@ -327,7 +327,8 @@ def run_pass(metagraph_bytes, **fields):
     import tfmemopt
     from tensorflow.core.framework import graph_pb2
 
-    config = tfmemopt.make_config(log_level=0, enable_swap=False, enable_schedule=False, min_tensor_bytes=0, **fields)
+    config = tfmemopt.make_config(log_level=0, enable_swap=False, enable_schedule=False,
+                                  enable_split=False, min_tensor_bytes=0, **fields)
     entry = tfmemopt.config.custom_optimizer_entry(config).SerializeToString()
     error, ok, report, graph_bytes, table = tfmemopt._ext.run_pass(
         metagraph_bytes, entry, export_table=True)

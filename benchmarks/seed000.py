@@ -21,10 +21,11 @@ it). Two checks per trial, printed in the "Grappler" column:
      for TFMEMOPT. The log also tells what memory_optimizer did to the graph
      ("Graph size after: N nodes (change), M edges (change)").
 
-Usage: python benchmarks/seed000.py [--cap-mb 1024] [--lo 256] [--hi 4096]
+Usage: python benchmarks/seed000.py [--cap-mb 1024] [--lo 256] [--hi 16384]
            [--options NAME ...] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:
 {"max_batch": {option: int, ..., "TFMEMOPT": int}, "floor_batch": int,
+ "floor_batch_split": int,
  "overhead_at_baseline_max": float, ...}.
 """
 
@@ -44,7 +45,9 @@ BUILT_IN = ("NO_MEM_OPT", "DEFAULT_MEM_OPT", "SWAPPING_HEURISTICS",
             "RECOMPUTATION_HEURISTICS", "SCHEDULING_HEURISTICS", "HEURISTICS")
 OPTIONS = BUILT_IN + ("TFMEMOPT",)
 BASELINE = "NO_MEM_OPT"
-DEFAULTS = dict(cap_mb=1024, lo=256, hi=4096, steps=2, rounds=10, options=list(OPTIONS))
+# --hi reaches past 2.5 x NO_MEM_OPT's 1820: splitting (issue 18) goes beyond the
+# largest op's working set.
+DEFAULTS = dict(cap_mb=1024, lo=256, hi=16384, steps=2, rounds=10, options=list(OPTIONS))
 # --quick: two options, one trial each and two timed steps, so that a test can run it fast.
 QUICK = dict(cap_mb=256, lo=64, hi=64, steps=2, rounds=2, options=[BASELINE, "TFMEMOPT"])
 _STEP_GRAPH = "__inference_train_step"
@@ -91,14 +94,19 @@ def grappler_check(option, trial):
     return not problems, seen + ("" if not problems else "; MISMATCH: " + "; ".join(problems))
 
 
-def floor_batch(cap_mb, batches=(256, 512)):
-    """The largest batch at which persistent memory plus the biggest single op's
-    working set (its distinct inputs, outputs and scratch, as the pass's simulator
-    sees them) fits the cap: no plan that keeps ops whole can beat it.
-
-    The pass reports both for the seed CNN's train step (tfmemopt.analyze, nothing
-    runs); the working set is linear in the batch, so two batches give it.
-    Returns (floor, details).
+def floor_batch(cap_mb, batches=(256, 512), max_slices=64):
+    """Two floors, from the pass's analysis of the seed CNN's train step
+    (tfmemopt.analyze, nothing runs; both terms are linear in the batch, so two
+    batches give them):
+      * floor_batch, for plans that keep ops whole: the largest batch at which
+        persistent memory plus the biggest single op's working set (its distinct
+        inputs, outputs and scratch, as the pass's simulator sees them) fits the cap;
+      * floor_batch_split, for plans that split per-sample work along the batch
+        (issue 18): what stays at full batch is the step's inputs (the caller holds
+        them), and each op's working set shrinks with the number of slices, at most
+        `max_slices` (the planner's limit): the largest batch at which persistent
+        memory plus the inputs plus the biggest working set / max_slices fits.
+    Returns (floor, floor_split, details).
     """
     import tfmemopt
 
@@ -109,13 +117,19 @@ def floor_batch(cap_mb, batches=(256, 512)):
         device = report.devices[0]
         points.append((batch, report.persistent_bytes[device],
                        report.max_op_working_set_bytes[device],
-                       report.to_dict()["devices"][0]["max_op_working_set_op"]))
-    (b0, p0, w0, op), (b1, _, w1, _) = points
+                       report.to_dict()["devices"][0]["max_op_working_set_op"],
+                       x.numpy().nbytes + y.numpy().nbytes))
+    (b0, p0, w0, op, i0), (b1, _, w1, _, i1) = points
     per_sample = (w1 - w0) / (b1 - b0)
     fixed = w0 - per_sample * b0
     floor = int((cap_mb * 2**20 - p0 - fixed) // per_sample)
-    return floor, {"op": op, "persistent_bytes": p0, "working_set_bytes_per_sample": per_sample,
-                   "working_set_fixed_bytes": fixed}
+    inputs_per_sample = (i1 - i0) / (b1 - b0)
+    split_per_sample = inputs_per_sample + per_sample / max_slices
+    floor_split = int((cap_mb * 2**20 - p0 - fixed) // split_per_sample)
+    return floor, floor_split, {
+        "op": op, "persistent_bytes": p0, "working_set_bytes_per_sample": per_sample,
+        "working_set_fixed_bytes": fixed, "input_bytes_per_sample": inputs_per_sample,
+        "max_slices": max_slices}
 
 
 def main():
@@ -164,10 +178,14 @@ def main():
     if comparison.timing:
         print("\n" + comparison.timing_text())
     overhead = comparison.overhead.get("TFMEMOPT")
-    floor, floor_details = floor_batch(cap_mb)
+    floor, floor_split, floor_details = floor_batch(cap_mb)
     print(f"\nfloor_batch: {floor} (persistent {floor_details['persistent_bytes'] / 2**20:.1f} MiB + "
           f"{floor_details['working_set_bytes_per_sample'] / 2**20:.3f} MiB per sample for "
-          f"{floor_details['op']})")
+          f"{floor_details['op']}: no plan that keeps ops whole beats it)")
+    print(f"floor_batch_split: {floor_split} (the inputs, "
+          f"{floor_details['input_bytes_per_sample'] / 2**10:.2f} KiB per sample, stay whole; "
+          f"{floor_details['op']}'s working set split {floor_details['max_slices']} ways: no "
+          f"plan that splits into at most {floor_details['max_slices']} slices beats it)")
     if overhead is not None:
         print(f"overhead of TFMEMOPT at batch {comparison.size}: {overhead * 100:+.1f} %")
     for option, result in results.items():
@@ -179,6 +197,7 @@ def main():
         print(json.dumps({
             "max_batch": comparison.max_sizes(),
             "floor_batch": floor,
+            "floor_batch_split": floor_split,
             "floor_details": floor_details,
             "overhead_at_baseline_max": overhead,
             "grappler_check": checks,

@@ -3,7 +3,9 @@
     python benchmarks/stress.py --cases 1000 [--seed S] [--json]
     python benchmarks/stress.py --replay-seed K      # one case again, in this process
 
-Case i is `random_spec(S * 1_000_003 + i)`. Cases run in a worker process (one
+Case i is `random_spec(S * 1_000_003 + i)`; then --split-cases more (default a fifth
+of --cases), split case i `random_split_spec(S * 1_000_003 + i)`: the same model with a
+batch and a budget that make the pass split work along the batch. Cases run in a worker process (one
 inter-op thread, so TF itself is deterministic), restarted every 60 cases; a case
 that kills or hangs its worker counts as a crash and the run goes on. Each failure
 prints its seed, what went wrong and the spec (a reproducer) on stderr; with --json
@@ -12,8 +14,9 @@ the last line of stdout is
 with, after those four, how many of the crashes happened while training without the
 pass (TF itself: the worker reports the phase it is in), the cases that violated
 another property (stateful clone, orphan clone, second pass not idempotent, a 'fits'
-claim above the budget), that fell back, that the generator got wrong, and that the
-pass rewrote.
+claim above the budget), that fell back, that the generator got wrong, that the
+pass rewrote, and in which it split work along the batch (their results are compared
+within generated_graphs.SPLIT_RTOL, their first losses bit for bit).
 """
 
 import argparse
@@ -42,14 +45,21 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case")
+    parser.add_argument("--split-cases", type=int,
+                        help="cases drawn to make the pass split work along the batch "
+                             "(generated_graphs.random_split_spec), run after the others; "
+                             "default: a fifth of --cases")
     parser.add_argument("--replay-seed", type=int, help="run the case of this seed here")
+    parser.add_argument("--replay-split-seed", type=int,
+                        help="run the split case of this seed here")
     args = parser.parse_args(argv)
 
-    if args.replay_seed is not None:
+    if args.replay_seed is not None or args.replay_split_seed is not None:
         import tensorflow as tf
 
         tf.config.threading.set_inter_op_parallelism_threads(1)
-        spec = gg.random_spec(args.replay_seed)
+        spec = (gg.random_spec(args.replay_seed) if args.replay_seed is not None
+                else gg.random_split_spec(args.replay_split_seed))
         print(json.dumps(spec))
         print(json.dumps(gg.run_case(spec), indent=1, default=str))
         return 0
@@ -57,10 +67,12 @@ def main(argv=None):
     counts = collections.Counter()
     worker = gg.Worker()
     start = time.time()
+    split_cases = args.cases // 5 if args.split_cases is None else args.split_cases
+    cases = [(i, False) for i in range(args.cases)] + [(i, True) for i in range(split_cases)]
     try:
-        for i in range(args.cases):
+        for n, (i, split_case) in enumerate(cases):
             seed = case_seed(args.seed, i)
-            spec = gg.random_spec(seed)
+            spec = gg.random_split_spec(seed) if split_case else gg.random_spec(seed)
             try:
                 result = worker.run(spec, timeout=args.timeout)
             except gg.WorkerDied as err:
@@ -68,23 +80,26 @@ def main(argv=None):
                 # TF itself died while training without the pass (e.g. seed 268).
                 counts["crashes_without_tfmemopt"] += err.phase == "baseline"
             counts["cases"] += 1
+            counts["split_cases"] += split_case
             counts["rewritten"] += bool(result.get("rewritten"))
+            counts["split"] += bool(result.get("split"))
             outcome = result["outcome"]
             if outcome != "ok":
                 counts[OUTCOME_KEYS[outcome]] += 1
-                print(f"[case {i}] {outcome}: seed {seed}\n  " +
+                replay = "--replay-split-seed" if split_case else "--replay-seed"
+                print(f"[{'split ' if split_case else ''}case {i}] {outcome}: seed {seed}\n  " +
                       "\n  ".join(p.strip() for p in result["problems"][:6]) +
-                      f"\n  replay: python benchmarks/stress.py --replay-seed {seed}"
+                      f"\n  replay: python benchmarks/stress.py {replay} {seed}"
                       f"\n  spec: {json.dumps(spec)}", file=sys.stderr, flush=True)
-            if (i + 1) % 50 == 0:
-                print(f"{i + 1} cases, {time.time() - start:.0f} s: {dict(counts)}",
+            if (n + 1) % 50 == 0:
+                print(f"{n + 1} cases, {time.time() - start:.0f} s: {dict(counts)}",
                       file=sys.stderr, flush=True)
     finally:
         worker.close()
     summary = {"cases": counts["cases"], "mismatches": counts["mismatches"],
                "invalid_graphs": counts["invalid_graphs"], "crashes": counts["crashes"]}
     for key in ("crashes_without_tfmemopt", "violations", "fallbacks", "generator_errors",
-                "errors", "rewritten"):
+                "errors", "rewritten", "split_cases", "split"):
         summary[key] = counts[key]
     summary["seconds"] = round(time.time() - start, 1)
     text = ", ".join(f"{k} {v}" for k, v in summary.items())
@@ -92,7 +107,8 @@ def main(argv=None):
     if args.json:
         print(json.dumps(summary))
     failed = sum(summary[k] for k in summary
-                 if k not in ("cases", "rewritten", "seconds", "crashes_without_tfmemopt"))
+                 if k not in ("cases", "rewritten", "split_cases", "split", "seconds",
+                              "crashes_without_tfmemopt"))
     return 1 if failed else 0
 
 

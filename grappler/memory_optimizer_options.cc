@@ -205,6 +205,7 @@ const std::vector<OptionField>& Fields() {
       BoolField("enable_swap", &O::enable_swap),
       BoolField("enable_recompute", &O::enable_recompute),
       BoolField("enable_schedule", &O::enable_schedule),
+      BoolField("enable_split", &O::enable_split),
       IntField<int64_t>("min_tensor_bytes", "int64", &O::min_tensor_bytes,
                         kAdaptiveMinTensorBytes, INT64_MAX,
                         "an int >= 0, or -1 (adaptive)"),

@@ -32,6 +32,8 @@ struct MemoryOptimizerOptions {
   bool enable_swap = true;
   bool enable_recompute = true;
   bool enable_schedule = true;
+  // Split per-sample work along the batch when nothing else meets the budget.
+  bool enable_split = true;
   // Below this size a tensor is never swapped or recomputed. kAdaptiveMinTensorBytes
   // (the default): 1 MiB while the budget can be met without smaller tensors, lower
   // steps (AdaptiveMinTensorBytesSteps) when it cannot.

@@ -16,6 +16,7 @@
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/plan/memory_planner.h"
 #include "grappler/plan/schedule.h"
+#include "grappler/plan/split_choice.h"
 #include "grappler/report/memory_report.h"
 #include "grappler/report/table_export.h"
 #include "grappler/rewrite/recompute_pass.h"
@@ -173,6 +174,30 @@ int DeviceIndex(const SimulationResult& simulation, const std::string& name) {
   return -1;
 }
 
+void FillSplitReport(const SplitOutcome& split, SplitReport* report) {
+  report->planned = split.planned;
+  report->applied = split.applied;
+  report->batch = split.batch;
+  report->note = split.note;
+  report->left_alone = split.left_alone;
+  for (const SplitTrial& trial : split.trials) {
+    report->trials.push_back(
+        {trial.slices, trial.region_nodes, trial.peak_bytes, trial.fits, trial.added_seconds});
+  }
+  if (!split.applied) return;
+  report->slices = split.spec.slices;
+  report->rows = split.summary.rows;
+  report->stages = split.summary.stages;
+  report->ops = split.region;
+  report->op_types = split.region_ops;
+  report->cuts = split.summary.cuts;
+  report->joins = split.summary.joins;
+  report->sums = split.summary.sums;
+  report->shape_constants = split.summary.shape_constants;
+  report->added_nodes = split.summary.added_nodes;
+  report->added_seconds = split.added_seconds;
+}
+
 MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
                                     const std::vector<DeviceReport>& devices,
                                     const std::vector<std::string>& table_devices) {
@@ -317,6 +342,12 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   // (idempotence).
   const bool rewritten_before = HasTfMemOptNodes(item.graph) || HasScheduledNodes(item.graph);
   bool over_budget = SetBudgets(options, &devices);
+  // Below the budget, BFC may still be unable to place a tensor in its regions (the
+  // allocator model refuses it): only a split can help there.
+  bool refused = false;
+  for (size_t d = 0; d < devices.size(); ++d) {
+    refused |= devices[d].budget_bytes > 0 && before.devices[d].allocator_refused_bytes > 0;
+  }
 
   // Schedule: control edges that lower the peak before anything is swapped or
   // recomputed. The planner then plans on the scheduled graph, analyzed afresh.
@@ -370,12 +401,18 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   MemoryPlan plan;
   PlannedRewrite rewrite;
   SimulationResult planned;
+  SplitOutcome split;
+  // The table the plan's indices refer to: the split graph's when a split is chosen.
+  const TensorTable* planned_table = &table;
   status = stages->Run("plan", [&] {
     MemoryPlannerOptions planner = PlannerOptions(options, devices, table.devices);
     const bool hinted_recompute =
         planner.enable_recompute && planner.policy != RecomputePolicy::kAuto;
-    const bool wanted = hinted_recompute ||
-                        (over_budget && (planner.enable_recompute || planner.enable_swap));
+    const bool may_split = options.enable_split && options.mode == Mode::kAuto;
+    const bool wanted =
+        hinted_recompute ||
+        (over_budget && (planner.enable_recompute || planner.enable_swap || may_split)) ||
+        (refused && may_split);
     if (options.mode == Mode::kAnalyzeOnly || rewritten_before || !wanted) {
       return absl::OkStatus();
     }
@@ -385,6 +422,19 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     absl::Status s = PlanWithAdaptiveThreshold(options, table, order, flow, planner, &plan,
                                                &rewrite, &planned, &report->min_tensor_bytes);
     if (!s.ok()) return s;
+    if (may_split && NeedsSplit(plan, planned, planner.budget_bytes)) {
+      // Splitting, the fourth choice: only when the others cannot meet the budget.
+      const GrapplerItem& planned_item = schedule.edges.empty() ? item : scheduled;
+      s = PlanSplit(planned_item, table, order, flow, options, planner, plan, &split);
+      if (!s.ok()) return s;
+      if (split.applied) {
+        plan = std::move(split.plan);
+        rewrite = std::move(split.rewrite);
+        planned = std::move(split.simulation);
+        planned_table = &split.table;
+      }
+      FillSplitReport(split, &report->split);
+    }
     report->recompute.feasible = report->swap.feasible = plan.feasible;
     report->recompute.simulations = plan.simulations;
     report->recompute.search = plan.search;
@@ -392,7 +442,9 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->recompute.left_alone = plan.left_alone;
     report->recompute.hinted_but_not_recomputable = plan.hinted_but_not_recomputable;
     report->recompute.note = plan.note;
-    for (int n : plan.checkpoints) report->recompute.checkpoints.push_back(table.nodes[n].def->name());
+    for (int n : plan.checkpoints) {
+      report->recompute.checkpoints.push_back(planned_table->nodes[n].def->name());
+    }
     for (size_t d = 0; d < devices.size() && d < plan.peak_bytes.size(); ++d) {
       devices[d].planned_peak_bytes = plan.peak_bytes[d];
     }
@@ -403,8 +455,11 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   status = stages->Run("rewrite", [&] {
     const RecomputeRewrite& recompute = rewrite.recompute;
     const SwapRewrite& swap = rewrite.swap;
+    if (split.applied) *output = split.item->graph;
     if (recompute.cloned.empty() && swap.swapped.empty()) return absl::OkStatus();
-    for (int n : recompute.cloned) report->recompute.nodes.push_back(table.nodes[n].def->name());
+    for (int n : recompute.cloned) {
+      report->recompute.nodes.push_back(planned_table->nodes[n].def->name());
+    }
     report->recompute.num_triggers = recompute.num_triggers;
     report->recompute.added_seconds = recompute.added_seconds;
     for (int t : swap.swapped) report->swap.tensors.push_back(swap.table.TensorName(t));
@@ -418,7 +473,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   });
   if (!status.ok()) return status;
   report->graph_changed = !rewrite.recompute.cloned.empty() || !rewrite.swap.swapped.empty() ||
-                          !schedule.edges.empty();
+                          !schedule.edges.empty() || split.applied;
 
   // Verify: the output is a valid graph, and analyzed afresh (its own shapes, its own
   // order) it peaks no higher than the original did.

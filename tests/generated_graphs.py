@@ -159,8 +159,29 @@ def draw_spec(c):
     return spec
 
 
+# Split cases: the same specs with batches large enough to cut into slices of
+# 64-byte-aligned rows (rank-1 tensors need 16 rows a slice) and budgets low enough
+# that keeping, swapping and recomputing do not suffice. Drawn after everything
+# draw_spec draws, so a seed's model is the same in both.
+SPLIT_BATCHES = [32, 48, 64, 96]
+SPLIT_BUDGET_RATIOS = [0.0, 0.2, 0.35, 0.5]
+SPLIT_MIN_TENSOR_BYTES = [0, 256, 4096]
+
+
+def draw_split_spec(c):
+    spec = draw_spec(c)
+    spec["batch"] = c.choice(SPLIT_BATCHES)
+    spec["config"]["budget_ratio"] = c.choice(SPLIT_BUDGET_RATIOS)
+    spec["config"]["min_tensor_bytes"] = c.choice(SPLIT_MIN_TENSOR_BYTES)
+    return spec
+
+
 def random_spec(seed):
     return draw_spec(RandomChooser(seed))
+
+
+def random_split_spec(seed):
+    return draw_split_spec(RandomChooser(seed))
 
 
 def hypothesis_specs():
@@ -389,15 +410,35 @@ def train(model, steps=2):
     return out
 
 
-def first_difference(base, mine):
-    """'' if bitwise equal, else where they first differ."""
+# When the pass split work along the batch, weight gradients are sums over the
+# slices, in another order than one kernel's: they, and what depends on them, are
+# compared within this relative tolerance (of each tensor's norm) instead of bit
+# for bit. The first step's losses (same weights, per-sample work only) stay bitwise.
+SPLIT_RTOL = 1e-5
+
+
+def _close(a, b, rtol):
+    import numpy as np
+
+    a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a64 - b64)) <= rtol * float(np.linalg.norm(a64)) + 1e-30
+
+
+def first_difference(base, mine, split=False):
+    """'' if bitwise equal (split: within SPLIT_RTOL, first losses bitwise), else
+    where they first differ."""
+    def same(a, b, key, step):
+        if not split or (key == "losses" and step == 0):
+            return _bits(a) == _bits(b)
+        return _close(a, b, SPLIT_RTOL)
+
     for key in ("losses", "grads"):
         for s, (a_list, b_list) in enumerate(zip(base[key], mine[key])):
             for k, (a, b) in enumerate(zip(a_list, b_list)):
-                if _bits(a) != _bits(b):
+                if not same(a, b, key, s):
                     return f"step {s + 1} {key}[{k}]: {a.ravel()[:3]} vs {b.ravel()[:3]}"
     for k, (a, b) in enumerate(zip(base["weights"], mine["weights"])):
-        if _bits(a) != _bits(b):
+        if not same(a, b, "weights", 1):
             return f"weights[{k}] after training differ"
     return ""
 
@@ -423,7 +464,8 @@ def structure_problems(graph_def, where, input_names=()):
     """Invalid-graph problems, and property violations, of an optimized graph:
     (invalid, violations), lists of strings. A clone's original must be a node of
     the output, or of the input (`input_names`) when TF's own passes, running after
-    ours, removed or renamed it (e.g. Relu(Relu(x)) -> Relu(x))."""
+    ours, removed or renamed it (e.g. Relu(Relu(x)) -> Relu(x)). Split ops: see
+    _split_problems."""
     from tensorflow.python.framework import op_def_registry
 
     invalid, violations = [], []
@@ -464,6 +506,8 @@ def structure_problems(graph_def, where, input_names=()):
     for n in graph_def.node:
         if not n.name.startswith(PREFIX):
             continue
+        if n.name.startswith(PREFIX + "Split/"):
+            continue  # checked below, by their own rules
         original = original_of(n.name, names)
         if original is None and original_of(n.name, set(input_names)) is None:
             violations.append(f"{where}: {n.name} has no original in the graph")
@@ -477,7 +521,37 @@ def structure_problems(graph_def, where, input_names=()):
             if not input_names and original is not None and nodes[original].op != n.op:
                 violations.append(f"{where}: {n.name} is a {n.op}, its original a "
                                   f"{nodes[original].op}")
+    violations += _split_problems(graph_def, where)
     return invalid, violations
+
+
+def _split_problems(graph_def, where):
+    """A split op is replaced by its slices, TfMemOpt/Split/<op>/slice_<i>: the op is
+    gone from the graph, and every split op has the same number of slices, each of
+    slice_0 .. slice_<k-1>. A cut, TfMemOpt/Split/<producer>/cut_<port>_<i>, reads
+    its producer, which stays."""
+    import re
+
+    names = {n.name for n in graph_def.node}
+    slices, problems = {}, []
+    for n in graph_def.node:
+        if not n.name.startswith(PREFIX + "Split/"):
+            continue
+        stem, _, last = n.name[len(PREFIX + "Split/"):].rpartition("/")
+        if re.fullmatch(r"slice_\d+", last):
+            slices.setdefault(stem, set()).add(int(last[len("slice_"):]))
+            if stem in names:
+                problems.append(f"{where}: {stem} is split but still in the graph")
+        elif re.fullmatch(r"cut_\d+_\d+", last):
+            if stem not in names:
+                problems.append(f"{where}: {n.name} cuts {stem}, which is not in the graph")
+    counts = {len(indices) for indices in slices.values()}
+    if len(counts) > 1:
+        problems.append(f"{where}: split ops have different numbers of slices {sorted(counts)}")
+    for stem, indices in slices.items():
+        if indices != set(range(len(indices))):
+            problems.append(f"{where}: {stem} has slices {sorted(indices)}")
+    return problems
 
 
 def tfmemopt_nodes(graph_def):
@@ -586,6 +660,8 @@ def run_case(spec):
         where = "TfMemOpt alone" if alone else "OptimizeGraph"
         graph, report = _optimize(metagraph, fields, alone=alone)
         bad, viol = structure_problems(graph, where, () if alone else input_names)
+        if report is not None and report.split_ops:
+            result["details"]["split"] = report.split.get("slices")
         invalid += bad
         violations += viol
         if report is None or report.status != "ok":
@@ -642,6 +718,8 @@ def run_case(spec):
         ctx.disable_graph_collection()
         tfmemopt.disable()
     runtime = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")]
+    split = any(r.split_ops for r in runtime)
+    result["split"] = split
     for r in runtime:
         if r.status != "ok":
             fallbacks.append(f"runtime: fallback in stage {r.failed_stage}: {r.message}")
@@ -659,7 +737,7 @@ def run_case(spec):
     result["details"]["runtime_tfmemopt_nodes"] = ran
     result["rewritten"] = bool(clones) or ran > 0
     if mine is not None:
-        difference = first_difference(base, mine)
+        difference = first_difference(base, mine, split=split)
         if difference:
             result["problems"].append(f"results differ: {difference}")
             result["outcome"] = "mismatch"

@@ -159,8 +159,9 @@ def test_bfc_regions_hold_three_tensors_just_below_256_mib_but_not_just_above():
 
 def test_the_allocator_model_runs_out_of_memory_where_bfc_does_below_the_cap():
     # seed000's CNN under a 1024 MiB cap trains batch 1820 and runs out of memory at
-    # 1821 with any plan (benchmarks/seed000.py), though its peak is far below the cap:
-    # BFC cannot place a 256.08 MiB tensor in its regions (see the test above).
+    # 1821 with any plan that keeps ops whole (benchmarks/seed000.py), though its peak
+    # is far below the cap: BFC cannot place a 256.08 MiB tensor in its regions (see
+    # the test above). Splitting the work along the batch (issue 18) moves the limit.
     code = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -168,10 +169,13 @@ import tfmemopt, models
 out = {}
 for batch in (1820, 1821):
     step, (x, y) = models.seed_cnn(batch)
-    report = tfmemopt.analyze(step, x, y, log_level=0)
+    report = tfmemopt.analyze(step, x, y, log_level=0, enable_split=False)
     device = report.to_dict()["devices"][0]
     out[batch] = [device["peak_after_bytes"], device["allocator_refused_bytes"],
                   device["allocator_refused"], report.fits, report.to_text()]
+report = tfmemopt.analyze(step, x, y, log_level=0)
+out["split"] = [report.to_dict()["devices"][0]["allocator_refused_bytes"], report.fits,
+                report.split.get("slices")]
 print("RESULT " + json.dumps(out))
 """
     from conftest import BENCHMARKS
@@ -189,6 +193,8 @@ print("RESULT " + json.dumps(out))
     assert refused == 1821 * 24 * 24 * 64 * 4 and what.endswith("MaxPoolGrad")
     assert fits is False  # ...the allocator model says it does not
     assert f"BFC runs out of memory allocating 256.08 MiB for {what}" in text
+    refused, fits, slices = result["split"]
+    assert refused == 0 and fits and slices >= 2
 
 
 _FOLDED_SEED_CODE = r'''

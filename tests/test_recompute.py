@@ -266,7 +266,7 @@ def test_keras_models_train_bitwise_identically_and_lower_the_measured_peak(
         name, {"mode": "ANALYZE_ONLY", "assume_batch_size": kwargs["batch"]}, kwargs)
     assert base["recomputed"] == [] and base["before"] > 0
     fields = {"budget": int(0.7 * base["before"]), "assume_batch_size": kwargs["batch"],
-              "enable_swap": False}
+              "enable_swap": False, "enable_split": False}
     mine = train_in_subprocess(name, fields, kwargs)
     assert mine["recomputed"], "nothing was recomputed"
     assert mine["losses"] == base["losses"]

@@ -24,7 +24,7 @@ def swap_only(step, x, fraction=0.75, **fields):
     """Optimizes with swapping alone, the budget at `fraction` of today's peak."""
     budget = int(fraction * peak_before(step, x))
     fields.setdefault("budget", budget)
-    return optimize(step, x, enable_recompute=False, **fields)
+    return optimize(step, x, enable_recompute=False, enable_split=False, **fields)
 
 
 def test_swapping_fits_the_budget_and_training_stays_bitwise_identical():

@@ -42,6 +42,14 @@ void EstimateComputeSeconds(const GraphProperties& properties, TensorTable* tabl
         properties.HasInputProperties(def.name()) ? properties.GetInputProperties(def.name())
                                                   : no_inputs);
     *context.op_info.mutable_device() = it->second;
+    // TF's estimator prices a Slice by its output (PredictGatherOrSlice), and logs
+    // a warning per node when the op info has none: the split rewrite's cuts are
+    // Slices.
+    if (def.op() == "Slice" && properties.HasOutputProperties(def.name())) {
+      for (const auto& output : properties.GetOutputProperties(def.name())) {
+        *context.op_info.add_outputs() = output;
+      }
+    }
     const Costs costs = estimator.PredictCosts(context);
     node.compute_seconds = static_cast<double>(costs.execution_time.count()) * 1e-9;
   }

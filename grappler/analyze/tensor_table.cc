@@ -74,6 +74,35 @@ bool ForwardsInputBuffer(const NodeDef& node) {
   return ForwardedInput(node, 0) >= 0;
 }
 
+// A Slice along dimension 0 only, of a tensor whose rows are aligned, hands out a
+// view of its input (TF's SharedSliceCommonCases: IsDim0SliceAligned, or the whole
+// input): no allocation, and the input's buffer lives as long as the view. The
+// split rewrite cuts batches this way. (Rank 1 needs the offsets; counted as a copy.)
+bool SliceIsView(const NodeDef& node, const GraphProperties& properties) {
+  if (node.op() != "Slice" || !properties.HasInputProperties(node.name()) ||
+      !properties.HasOutputProperties(node.name())) {
+    return false;
+  }
+  const auto& inputs = properties.GetInputProperties(node.name());
+  const auto& outputs = properties.GetOutputProperties(node.name());
+  if (inputs.empty() || outputs.empty()) return false;
+  const tensorflow::TensorShapeProto& in = inputs[0].shape();
+  const tensorflow::TensorShapeProto& out = outputs[0].shape();
+  if (in.unknown_rank() || out.unknown_rank() || in.dim_size() < 2 ||
+      in.dim_size() != out.dim_size()) {
+    return false;
+  }
+  int64_t inner = 1;
+  for (int d = 0; d < in.dim_size(); ++d) {
+    if (in.dim(d).size() < 0 || out.dim(d).size() < 0) return false;
+    if (d > 0 && in.dim(d).size() != out.dim(d).size()) return false;
+    if (d > 0) inner *= in.dim(d).size();
+  }
+  const int64_t element = tensorflow::DataTypeSize(inputs[0].dtype());
+  if (element == 0 || in.dim(0).size() == 0) return false;
+  return (inner * element) % EIGEN_MAX_ALIGN_BYTES == 0 || in.dim(0).size() == out.dim(0).size();
+}
+
 // Integer contents of a Const node, or false.
 bool ConstInts(const NodeDef& node, std::vector<int64_t>* values) {
   if (node.op() != "Const" || !node.attr().count("value")) return false;
@@ -687,6 +716,8 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
   // Buffers: forwarding ops share their input's buffer; variables and constants
   // live for the whole step.
   MarkRuntimeFoldedConstants(table);
+  std::vector<bool> views(graph.node_size(), false);
+  for (int i = 0; i < graph.node_size(); ++i) views[i] = SliceIsView(graph.node(i), properties);
   for (int i = 0; i < graph.node_size(); ++i) {
     for (int t : table->nodes[i].outputs) {
       TensorInfo& tensor = table->tensors[t];
@@ -703,7 +734,7 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
         table->buffers.push_back(buffer);
         continue;
       }
-      const int source = ForwardedInput(*node.def, tensor.port);
+      const int source = views[i] && tensor.port == 0 ? 0 : ForwardedInput(*node.def, tensor.port);
       if (source >= 0 && source < static_cast<int>(node.inputs.size()) &&
           !StartsListInstance(*table, node) && SameDeviceAsInput(*table, node, source)) {
         continue;  // bound below, once its input's buffer exists
@@ -733,13 +764,14 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
   bool changed = true;
   while (changed) {
     changed = false;
-    for (NodeInfo& node : table->nodes) {
-      if (!ForwardsInputBuffer(*node.def)) continue;
+    for (size_t i = 0; i < table->nodes.size(); ++i) {
+      NodeInfo& node = table->nodes[i];
+      if (!views[i] && !ForwardsInputBuffer(*node.def)) continue;
       for (int t : node.outputs) {
         TensorInfo& tensor = table->tensors[t];
-        const int port = StartsListInstance(*table, node)
-                             ? -1
-                             : ForwardedInput(*node.def, tensor.port);
+        const int port = StartsListInstance(*table, node) ? -1
+                         : views[i] && tensor.port == 0  ? 0
+                                                          : ForwardedInput(*node.def, tensor.port);
         if (tensor.buffer >= 0 || port < 0 || port >= static_cast<int>(node.inputs.size()) ||
             !SameDeviceAsInput(*table, node, port)) {
           continue;

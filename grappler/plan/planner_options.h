@@ -45,6 +45,8 @@ struct MemoryPlannerOptions {
   int exact_max_nodes = 1000;
   int exact_max_simulations = 4000;
   int64_t exact_max_node_steps = 400000;
+  // Splitting (plan/split_choice.h): at most this many slices of the batch.
+  int max_split_slices = 64;
 };
 
 struct MemoryPlan {

@@ -62,6 +62,38 @@ std::string TimelineJson(const std::vector<DeviceTimeline>& timeline) {
   return out.str();
 }
 
+std::string CountsJson(const std::map<std::string, int>& counts) {
+  std::string out = "{";
+  for (const auto& [key, count] : counts) {
+    absl::StrAppend(&out, out.size() > 1 ? "," : "", Quote(key), ":", count);
+  }
+  return out + "}";
+}
+
+std::string SplitJson(const SplitReport& split) {
+  std::ostringstream out;
+  out << "{\"planned\":" << (split.planned ? "true" : "false")
+      << ",\"applied\":" << (split.applied ? "true" : "false") << ",\"batch\":" << split.batch
+      << ",\"slices\":" << split.slices << ",\"rows\":" << JsonList(split.rows)
+      << ",\"stages\":" << split.stages << ",\"ops\":" << QuotedList(split.ops)
+      << ",\"op_types\":" << CountsJson(split.op_types) << ",\"cuts\":" << split.cuts
+      << ",\"joins\":" << split.joins << ",\"sums\":" << split.sums
+      << ",\"shape_constants\":" << split.shape_constants
+      << ",\"added_nodes\":" << split.added_nodes
+      << ",\"added_seconds\":" << absl::StrFormat("%.9g", split.added_seconds)
+      << ",\"left_alone\":" << CountsJson(split.left_alone) << ",\"trials\":[";
+  for (size_t i = 0; i < split.trials.size(); ++i) {
+    const SplitReport::Trial& trial = split.trials[i];
+    out << (i ? "," : "") << "{\"slices\":" << trial.slices
+        << ",\"region_ops\":" << trial.region_ops
+        << ",\"peak_bytes\":" << JsonList(trial.peak_bytes)
+        << ",\"fits\":" << (trial.fits ? "true" : "false")
+        << ",\"added_seconds\":" << absl::StrFormat("%.9g", trial.added_seconds) << "}";
+  }
+  out << "],\"note\":" << Quote(split.note) << "}";
+  return out.str();
+}
+
 struct Registry {
   std::mutex mu;
   int64_t next_token = 1;
@@ -165,8 +197,8 @@ std::string MemoryReport::ToJson() const {
       first_device = false;
     }
   }
-  out << "},\"simulations\":" << schedule.simulations
-      << "},\"timeline\":" << TimelineJson(timeline)
+  out << "},\"simulations\":" << schedule.simulations << "},\"split\":" << SplitJson(split)
+      << ",\"timeline\":" << TimelineJson(timeline)
       << ",\"timeline_before\":" << TimelineJson(timeline_before) << ",\"stage_seconds\":{";
   bool first = true;
   for (const auto& [stage, seconds] : stage_seconds) {
@@ -220,6 +252,15 @@ std::string MemoryReport::Summary() const {
       min_tensor_bytes < AdaptiveMinTensorBytesSteps(options).front()) {
     absl::StrAppend(&line, ", tensors down to ", FormatBytes(min_tensor_bytes),
                     " considered (the budget needs them)");
+  }
+  if (split.applied) {
+    absl::StrAppend(&line, ", split ", split.ops.size(), " ops into ", split.slices,
+                    " slices of the batch");
+    if (recompute.step_seconds > 0) {
+      absl::StrAppend(&line, absl::StrFormat(" (+%.1f%% predicted)",
+                                             100.0 * split.added_seconds /
+                                                 recompute.step_seconds));
+    }
   }
   if (!schedule.edges.empty()) {
     absl::StrAppend(&line, ", scheduled with ", schedule.edges.size(), " control edge",

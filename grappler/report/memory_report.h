@@ -95,6 +95,30 @@ struct ScheduleReport {
   int simulations = 0;
 };
 
+// What splitting per-sample work along the batch did to a graph.
+struct SplitReport {
+  bool planned = false;  // the split planner ran (nothing else met the budget)
+  bool applied = false;
+  int64_t batch = 0;     // the static batch size found
+  int slices = 0;        // k
+  std::vector<int64_t> rows;  // rows per slice
+  int stages = 0;        // parts run one slice after another (see rewrite/split_pass.h)
+  std::vector<std::string> ops;            // the split ops (original names)
+  std::map<std::string, int> op_types;     // op type -> how many were split
+  int cuts = 0, joins = 0, sums = 0, shape_constants = 0, added_nodes = 0;
+  double added_seconds = 0;  // predicted
+  std::map<std::string, int> left_alone;  // per-sample candidates not split, by reason
+  struct Trial {
+    int slices = 0;
+    int region_ops = 0;
+    std::vector<int64_t> peak_bytes;  // per device
+    bool fits = false;
+    double added_seconds = 0;
+  };
+  std::vector<Trial> trials;  // what the planner simulated, in order
+  std::string note;
+};
+
 struct MemoryReport {
   std::string graph_id;
   std::string status = "ok";  // "ok" | "fallback"
@@ -116,6 +140,7 @@ struct MemoryReport {
   RecomputeReport recompute;
   SwapReport swap;
   ScheduleReport schedule;
+  SplitReport split;
   // Timelines of the final graph and of the original one: per device, transient
   // bytes per step by role.
   std::vector<DeviceTimeline> timeline;

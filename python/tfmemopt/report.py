@@ -76,7 +76,11 @@ class Report:
     node names, peak_before_bytes and peak_after_bytes per device, simulations),
     min_tensor_bytes (the smallest tensor size the applied plan considered; with the
     adaptive default, below 1 MiB only when the budget needed smaller tensors; -1 when
-    nothing was planned), stage_seconds, total_seconds.
+    nothing was planned),
+    split (splitting per-sample work along the batch, the planner's fourth choice:
+    planned, applied, batch, slices, rows, stages, ops (the split ops), op_types, cuts,
+    joins, sums, added_seconds, left_alone, trials (what the planner simulated: slices,
+    region_ops, peak_bytes per device, fits), note), stage_seconds, total_seconds.
     """
 
     def __init__(self, data):
@@ -117,6 +121,7 @@ class Report:
         self.recompute = data.get("recompute", {})
         self.swap = data.get("swap", {})
         self.schedule = data.get("schedule", {})
+        self.split = data.get("split", {})
         self.stage_seconds = data["stage_seconds"]
         self.total_seconds = data["total_seconds"]
         # Where the allocator tells its peak: the first steps of this graph as run
@@ -158,6 +163,22 @@ class Report:
         if not self.graph_changed:
             return []
         return [tuple(edge) for edge in self.schedule.get("edges", [])]
+
+    @property
+    def split_ops(self):
+        """Names of the ops the returned graph runs as micro-batches (slices of the
+        batch), each as `split["slices"]` copies. Empty after a fallback."""
+        if not self.graph_changed or not self.split.get("applied"):
+            return []
+        return list(self.split.get("ops", []))
+
+    @property
+    def estimated_split_overhead(self):
+        """Predicted time the split adds, as a fraction of the step's compute."""
+        step = self.recompute.get("step_seconds", 0)
+        if not step or not self.split.get("applied"):
+            return 0.0
+        return self.split.get("added_seconds", 0) / step
 
     @property
     def estimated_recompute_overhead(self):
@@ -228,6 +249,7 @@ class Report:
                 "the budget could not be met with tensors of 1 MiB and more alone"
                 " (min_tensor_bytes=-1, adaptive)")
         lines.extend(self._schedule_lines())
+        lines.extend(self._split_lines())
         lines.extend(self._recompute_lines())
         lines.extend(self._swap_lines())
         if self.top_tensors_at_peak:
@@ -268,7 +290,9 @@ class Report:
         if rc.get("checkpoints"):
             lines.append(f"    checkpoints kept: {len(rc['checkpoints'])}")
         if not rc.get("feasible", True):
-            means = "swapping and recomputation" if self.swap.get("planned") else "recomputation"
+            ways = (["swapping"] if self.swap.get("planned") else []) + ["recomputation"]
+            ways += ["splitting"] if self.split.get("planned") else []
+            means = ", ".join(ways[:-1]) + " and " + ways[-1] if len(ways) > 1 else ways[0]
             reached = ", ".join(f"{d} {format_bytes(b)}" for d, b in
                                 sorted(self.predicted_peak_bytes["after"].items()))
             lines.append(f"    the budget cannot be met by {means}; the plan applied "
@@ -281,6 +305,33 @@ class Report:
         if rc.get("hinted_but_not_recomputable"):
             lines.append("    hinted but not recomputable: "
                          + ", ".join(rc["hinted_but_not_recomputable"][:5]))
+        return lines
+
+    def _split_lines(self):
+        sp = self.split
+        if not sp.get("planned"):
+            return []
+        if not sp.get("applied"):
+            return [f"  split: nothing split ({sp.get('note') or 'no split helps'})"]
+        rows = sp.get("rows", [])
+        sizes = (f"{rows[0]} rows" if len(set(rows)) == 1 else
+                 f"{min(rows)}-{max(rows)} rows") if rows else ""
+        step = self.recompute.get("step_seconds", 0)
+        cost = (f", +{100 * sp['added_seconds'] / step:.1f}% predicted time" if step else
+                f", {sp['added_seconds'] * 1000:.1f} ms predicted")
+        lines = [f"  split: {len(sp['ops'])} ops run as {sp['slices']} micro-batches of "
+                 f"{sizes} (batch {sp['batch']}, {sp['stages']} stage"
+                 f"{'' if sp['stages'] == 1 else 's'}){cost}; {sp['cuts']} inputs cut, "
+                 f"{sp['joins']} outputs joined, {sp['sums']} weight gradients summed over "
+                 "the slices"]
+        types = ", ".join(f"{n} {op}" for op, n in sorted(sp.get("op_types", {}).items()))
+        lines.append(f"    split ops: {types}")
+        tried = ", ".join(
+            f"{t['slices']}: {format_bytes(max(t['peak_bytes'] or [0]))}"
+            + ("" if t["fits"] else " (does not fit)") for t in sp.get("trials", []))
+        lines.append(f"    slices tried (predicted peak): {tried}")
+        if sp.get("note"):
+            lines.append(f"    {sp['note']}")
         return lines
 
     def _swap_lines(self):

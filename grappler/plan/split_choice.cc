@@ -1,0 +1,366 @@
+#include "grappler/plan/split_choice.h"
+
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "grappler/plan/mechanism.h"
+#include "tensorflow/core/grappler/utils.h"
+#include "tensorflow/core/platform/logging.h"
+
+namespace tfmemopt {
+namespace {
+
+using tensorflow::grappler::GrapplerItem;
+
+// Split candidates are built, analyzed and planned in full: a bound on how many.
+constexpr int kMaxTrials = 12;
+
+// Predicted compute of what the split adds: cuts, joins and sums. The slices' own
+// work is taken as equal to the original's (per-sample work is linear in the rows;
+// TF's estimator often cannot price the original, whose shape inputs are computed,
+// while it can price the slices, whose shape inputs are constants).
+double AddedCompute(const TensorTable& table) {
+  double seconds = 0;
+  for (const NodeInfo& node : table.nodes) {
+    const std::string& name = node.def->name();
+    const size_t last = name.rfind('/');
+    const bool slice = last != std::string::npos &&
+                       absl::StartsWith(absl::string_view(name).substr(last + 1), "slice_");
+    if (absl::StartsWith(name, kSplitScope) && !slice) {
+      seconds += node.compute_seconds;
+    }
+  }
+  return seconds;
+}
+
+int64_t WorstPeak(const std::vector<int64_t>& peaks) {
+  int64_t worst = 0;
+  for (int64_t peak : peaks) worst = std::max(worst, peak);
+  return worst;
+}
+
+// The splittable ops: per-sample or reductions, allowed by the user's filters, not
+// kept by TF, and reading region tensors only along the batch (a reduction's partial
+// sum never). Returns the connected parts (by data edges), each in index order.
+std::vector<std::vector<int>> Regions(const TensorTable& table, const BatchAnalysis& batch,
+                                      const MemoryPlannerOptions& options,
+                                      const std::set<std::string>& preserved,
+                                      std::map<std::string, int>* left_alone) {
+  const int n = static_cast<int>(table.nodes.size());
+  // Tensors computed from a batch input: only ops that touch them are worth
+  // splitting (an element-wise op on a weight whose first dimension happens to
+  // equal the batch is not).
+  std::vector<bool> derived(table.tensors.size(), false);
+  std::deque<int> frontier;
+  for (size_t t = 0; t < table.tensors.size(); ++t) {
+    const std::string& op = table.nodes[table.tensors[t].node].def->op();
+    const bool input = op == "_Arg" || op == "Placeholder" || op == "IteratorGetNext" ||
+                       op == "IteratorGetNextSync" || op == "PlaceholderWithDefault";
+    if (input && batch.shape_known[t] && !batch.shapes[t].empty() &&
+        batch.shapes[t][0] == batch.batch) {
+      derived[t] = true;
+      frontier.push_back(table.tensors[t].node);
+    }
+  }
+  std::vector<bool> seen(n, false);
+  while (!frontier.empty()) {
+    const int v = frontier.front();
+    frontier.pop_front();
+    for (int t : table.nodes[v].outputs) {
+      derived[t] = true;
+      for (int c : table.tensors[t].consumers) {
+        if (!seen[c]) {
+          seen[c] = true;
+          frontier.push_back(c);
+        }
+      }
+    }
+  }
+  std::vector<bool> in(n, false);
+  for (int v = 0; v < n; ++v) {
+    const BatchUse& use = batch.nodes[v];
+    std::string reason = use.role == BatchRole::kNone ? use.why_not : "";
+    if (reason.empty() && preserved.count(table.nodes[v].def->name())) reason = "preserved";
+    if (reason.empty()) reason = FilterReason(*table.nodes[v].def, options);
+    if (reason.empty()) {
+      bool touches_batch = false;
+      for (int port : use.batch_inputs) touches_batch |= derived[table.nodes[v].inputs[port]];
+      if (!touches_batch) reason = "not_batch_data";
+    }
+    if (reason.empty()) {
+      in[v] = true;
+    } else if (reason != "op" && reason != "batch_unknown") {
+      ++(*left_alone)[reason];
+    }
+  }
+  // Fixpoint: a region op reads region tensors only where it cuts them, and never
+  // a reduction's partial sum.
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int v = 0; v < n; ++v) {
+      if (!in[v]) continue;
+      const BatchUse& use = batch.nodes[v];
+      for (size_t port = 0; port < table.nodes[v].inputs.size() && in[v]; ++port) {
+        const int p = table.tensors[table.nodes[v].inputs[port]].node;
+        if (!in[p]) continue;
+        const bool cut = std::find(use.batch_inputs.begin(), use.batch_inputs.end(),
+                                   static_cast<int>(port)) != use.batch_inputs.end();
+        if (!cut || batch.nodes[p].role == BatchRole::kReduce) {
+          in[v] = false;
+          changed = true;
+          ++(*left_alone)["reads_region_whole"];
+        }
+      }
+    }
+  }
+  // Connected parts.
+  std::vector<int> parent(n);
+  std::iota(parent.begin(), parent.end(), 0);
+  std::function<int(int)> find = [&](int v) {
+    while (parent[v] != v) v = parent[v] = parent[parent[v]];
+    return v;
+  };
+  for (int v = 0; v < n; ++v) {
+    if (!in[v]) continue;
+    for (int t : table.nodes[v].inputs) {
+      const int p = table.tensors[t].node;
+      if (in[p]) parent[find(p)] = find(v);
+    }
+  }
+  std::map<int, std::vector<int>> parts;
+  for (int v = 0; v < n; ++v) {
+    if (in[v]) parts[find(v)].push_back(v);
+  }
+  // A part worth splitting cuts or makes a tensor of at least min_tensor_bytes
+  // (the size below which the planner leaves tensors alone).
+  std::vector<std::vector<int>> regions;
+  for (auto& [root, nodes] : parts) {
+    int64_t largest = 0;
+    for (int v : nodes) {
+      for (int port : batch.nodes[v].batch_inputs) {
+        largest = std::max(largest, table.tensors[table.nodes[v].inputs[port]].bytes);
+      }
+      for (int t : table.nodes[v].outputs) largest = std::max(largest, table.tensors[t].bytes);
+    }
+    if (largest >= std::max<int64_t>(options.min_tensor_bytes, 1)) {
+      regions.push_back(std::move(nodes));
+    } else {
+      (*left_alone)["small"] += static_cast<int>(nodes.size());
+    }
+  }
+  return regions;
+}
+
+// The largest working set of one op of `nodes` (distinct non-persistent buffers it
+// reads and writes, plus scratch).
+int64_t LargestWorkingSet(const TensorTable& table, const std::vector<int>& nodes) {
+  int64_t largest = 0;
+  for (int v : nodes) {
+    std::set<int> buffers;
+    for (const std::vector<int>* tensors : {&table.nodes[v].inputs, &table.nodes[v].outputs}) {
+      for (int t : *tensors) buffers.insert(table.tensors[t].buffer);
+    }
+    int64_t bytes = table.nodes[v].temp_bytes;
+    for (int b : buffers) {
+      if (!table.buffers[b].persistent) bytes += table.buffers[b].bytes;
+    }
+    largest = std::max(largest, bytes);
+  }
+  return largest;
+}
+
+struct Trial {
+  std::unique_ptr<GrapplerItem> item;
+  TensorTable table;
+  std::vector<int> order;
+  ControlFlowInfo flow;
+  MemoryPlan plan;
+  PlannedRewrite rewrite;
+  SimulationResult simulation;
+  SplitSpec spec;
+  SplitSummary summary;
+  SplitTrial result;
+};
+
+}  // namespace
+
+bool NeedsSplit(const MemoryPlan& plan, const SimulationResult& simulation,
+                const std::vector<int64_t>& budget_bytes) {
+  if (!plan.feasible) return true;
+  for (size_t d = 0; d < simulation.devices.size() && d < budget_bytes.size(); ++d) {
+    if (budget_bytes[d] > 0 && simulation.devices[d].allocator_refused_bytes > 0) return true;
+  }
+  return false;
+}
+
+absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
+                       const std::vector<int>& order, const ControlFlowInfo& flow,
+                       const MemoryOptimizerOptions& options,
+                       const MemoryPlannerOptions& planner, const MemoryPlan& unsplit,
+                       SplitOutcome* out) {
+  out->planned = true;
+  BatchAnalysis batch;
+  absl::Status status = AnalyzeBatch(item, table, flow, &batch);
+  if (!status.ok()) {
+    out->note = absl::StrCat("the batch could not be analyzed: ", status.message());
+    return absl::OkStatus();
+  }
+  out->batch = batch.batch;
+  if (batch.batch < 2) {
+    out->note = "the batch size is not static (or is 1): nothing is split";
+    return absl::OkStatus();
+  }
+  std::set<std::string> preserved;
+  for (const std::string& name : item.NodesToPreserve()) preserved.insert(name);
+  for (const std::string& fetch : item.fetch) {
+    preserved.insert(tensorflow::grappler::NodeName(fetch));
+  }
+  std::vector<std::vector<int>> regions =
+      Regions(table, batch, planner, preserved, &out->left_alone);
+  VLOG(1) << "TfMemOpt split: batch " << batch.batch << ", " << regions.size() << " regions";
+  if (VLOG_IS_ON(2)) {
+    // Where the regions end: readers of a region tensor outside every region.
+    std::vector<bool> in(table.nodes.size(), false);
+    for (const std::vector<int>& region : regions) {
+      for (int v : region) in[v] = true;
+    }
+    for (const std::vector<int>& region : regions) {
+      for (int v : region) {
+        for (int t : table.nodes[v].outputs) {
+          for (int c : table.tensors[t].consumers) {
+            if (in[c] || ReadsShapeOnly(table.nodes[c].def->op())) continue;
+            VLOG(2) << "  region ends at " << table.nodes[c].def->name() << " ("
+                    << table.nodes[c].def->op() << ": " << batch.nodes[c].why_not << ")";
+          }
+        }
+      }
+    }
+  }
+  if (regions.empty()) {
+    out->note = "no per-sample ops to split";
+    return absl::OkStatus();
+  }
+  // The part with the largest op working set first, then all parts.
+  std::stable_sort(regions.begin(), regions.end(),
+                   [&](const std::vector<int>& a, const std::vector<int>& b) {
+                     return LargestWorkingSet(table, a) > LargestWorkingSet(table, b);
+                   });
+  std::vector<std::vector<int>> region_sets = {regions.front()};
+  if (regions.size() > 1) {
+    std::vector<int> all;
+    for (const std::vector<int>& region : regions) all.insert(all.end(), region.begin(), region.end());
+    std::sort(all.begin(), all.end());
+    region_sets.push_back(std::move(all));
+  }
+  const int64_t unsplit_peak = WorstPeak(unsplit.peak_bytes);
+  // Each trial plans a whole graph: its own descent gets a quarter of the effort.
+  MemoryPlannerOptions trial_planner = planner;
+  trial_planner.max_simulations = std::max(1, planner.max_simulations / 4);
+  std::unique_ptr<Trial> best;
+  std::vector<std::string> failures;
+  int trials = 0;
+  for (const std::vector<int>& region : region_sets) {
+    int64_t previous_peak = unsplit_peak;
+    const int64_t unit = SliceUnit(table, batch, region);
+    for (int k = 2; k <= planner.max_split_slices && !SliceRows(batch.batch, k, unit).empty() &&
+                    trials < kMaxTrials;
+         k *= 2) {
+      ++trials;
+      auto trial = std::make_unique<Trial>();
+      trial->spec.nodes = region;
+      trial->spec.slices = k;
+      trial->spec.preserved = preserved;
+      tensorflow::GraphDef graph;
+      status = BuildSplitGraph(item.graph, table, order, batch, trial->spec, &graph,
+                               &trial->summary);
+      if (!status.ok()) {
+        failures.push_back(absl::StrCat(k, " slices: ", status.message()));
+        VLOG(1) << "TfMemOpt split: " << failures.back();
+        break;
+      }
+      VLOG(1) << "TfMemOpt split: built " << region.size() << " ops in " << k << " slices, "
+              << trial->summary.stages << " stages, " << graph.node_size() << " nodes";
+      trial->item = std::make_unique<GrapplerItem>(item.WithGraph(std::move(graph)));
+      status = BuildTensorTable(*trial->item, options, &trial->table);
+      if (status.ok()) status = TopologicalOrder(trial->item->graph, trial->table, &trial->order);
+      if (status.ok()) {
+        status = AnalyzeControlFlow(trial->item->graph, trial->table, trial->order, &trial->flow);
+      }
+      if (status.ok()) {
+        status = trial->table.devices == table.devices
+                     ? absl::OkStatus()
+                     : absl::FailedPreconditionError("the split graph uses other devices");
+      }
+      if (status.ok()) {
+        status = PlanMemory(trial->table, trial->order, trial->flow, trial_planner,
+                            &trial->plan, &trial->rewrite, &trial->simulation);
+      }
+      if (!status.ok()) {
+        // A candidate that cannot be analyzed or planned is not split; the plan
+        // without splitting stands.
+        failures.push_back(absl::StrCat(k, " slices: ", status.message()));
+        VLOG(1) << "TfMemOpt split: " << failures.back();
+        break;
+      }
+      SplitTrial& result = trial->result;
+      result.slices = k;
+      result.region_nodes = static_cast<int>(region.size());
+      result.peak_bytes = trial->plan.peak_bytes;
+      result.fits = !NeedsSplit(trial->plan, trial->simulation, planner.budget_bytes);
+      result.added_seconds = AddedCompute(trial->table) + trial->plan.added_seconds +
+                             kSliceOverheadSeconds * trial->summary.added_nodes;
+      out->trials.push_back(result);
+      VLOG(1) << "TfMemOpt split: " << region.size() << " ops in " << k << " slices: peak "
+              << WorstPeak(result.peak_bytes) << (result.fits ? " fits" : " does not fit");
+      const bool better =
+          best == nullptr ||
+          (result.fits && !best->result.fits) ||
+          (result.fits == best->result.fits && !result.fits &&
+           WorstPeak(result.peak_bytes) < WorstPeak(best->result.peak_bytes));
+      const int64_t peak = WorstPeak(result.peak_bytes);
+      if (better) best = std::move(trial);
+      if (result.fits) break;  // a larger k only costs more
+      // More slices help only while each slice's working set sets the peak.
+      if (peak >= previous_peak) break;
+      previous_peak = peak;
+    }
+    if (best != nullptr && best->result.fits) break;  // the smaller region suffices
+  }
+  if (best == nullptr) {
+    out->note = absl::StrCat("no split could be built",
+                             failures.empty() ? "" : absl::StrCat(": ", failures.front()));
+    return absl::OkStatus();
+  }
+  if (!best->result.fits && WorstPeak(best->result.peak_bytes) >= unsplit_peak) {
+    out->note = "no split lowers the predicted peak";
+    return absl::OkStatus();
+  }
+  out->applied = true;
+  out->spec = std::move(best->spec);
+  out->summary = std::move(best->summary);
+  out->added_seconds = best->result.added_seconds;
+  for (int v : out->spec.nodes) {
+    out->region.push_back(table.nodes[v].def->name());
+    ++out->region_ops[table.nodes[v].def->op()];
+  }
+  if (!best->result.fits) {
+    out->note = absl::StrCat("no split fits the budget; the one applied reaches the lowest peak "
+                             "found (", best->result.slices, " slices)");
+  }
+  out->item = std::move(best->item);
+  out->table = std::move(best->table);
+  out->order = std::move(best->order);
+  out->flow = std::move(best->flow);
+  out->plan = std::move(best->plan);
+  out->rewrite = std::move(best->rewrite);
+  out->simulation = std::move(best->simulation);
+  return absl::OkStatus();
+}
+
+}  // namespace tfmemopt

@@ -1,0 +1,92 @@
+// Plan: splitting per-sample work along the batch, the planner's fourth choice.
+//
+// Keeping, swapping and recomputing lower the peak only down to one op's own
+// working set at full batch. When the budget cannot be met that way (or the
+// allocator model refuses an allocation of the best plan), the planner splits:
+//  * Regions: ops that analyze/per_sample.h classifies as per-sample or (in the
+//    backward pass) as batch reductions, minus those the user excludes, those TF
+//    must keep (fetches), and any that would read a region tensor whole or a
+//    reduction's partial sum. Their connected parts are the candidate regions;
+//    the one with the largest op working set is tried first, then all of them.
+//  * Factor: k = 2, 4, 8, ... (at most MemoryPlannerOptions::max_split_slices and
+//    the batch size), the smallest first, since every slice runs smaller kernels.
+// Each candidate is built (rewrite/split_pass.h), analyzed afresh like any graph
+// (shapes, sizes, costs, the executor's order) and planned by PlanMemory, which
+// may still recompute or swap (a slice's backward can recompute that slice's
+// forward). The first candidate whose plan fits wins; if none fits, the one with
+// the lowest peak, if it is lower than the plan without splitting.
+//
+// Predicted added time: the split graph's predicted compute minus the original's
+// (OpLevelCostEstimator on the slices' shapes, plus the cuts, joins and sums),
+// plus the plan's own added time on the split graph, plus kSliceOverheadSeconds per
+// added op (kernel launches and smaller, less efficient kernels).
+#ifndef TFMEMOPT_GRAPPLER_PLAN_SPLIT_CHOICE_H_
+#define TFMEMOPT_GRAPPLER_PLAN_SPLIT_CHOICE_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "grappler/analyze/control_flow.h"
+#include "grappler/analyze/per_sample.h"
+#include "grappler/analyze/tensor_table.h"
+#include "grappler/memory_optimizer_options.h"
+#include "grappler/plan/memory_planner.h"
+#include "grappler/rewrite/split_pass.h"
+#include "tensorflow/core/grappler/grappler_item.h"
+
+namespace tfmemopt {
+
+inline constexpr double kSliceOverheadSeconds = 5e-6;
+
+struct SplitTrial {
+  int slices = 0;
+  int region_nodes = 0;
+  std::vector<int64_t> peak_bytes;  // per device, the plan's predicted peak
+  bool fits = false;
+  double added_seconds = 0;
+};
+
+struct SplitOutcome {
+  bool planned = false;  // the split planner ran
+  bool applied = false;  // a split was chosen
+  std::string note;      // why nothing was split, when nothing was
+  int64_t batch = 0;
+  SplitSpec spec;
+  SplitSummary summary;
+  std::vector<std::string> region;  // names of the split ops, in graph order
+  std::map<std::string, int> region_ops;  // op type -> count
+  std::map<std::string, int> left_alone;  // per-sample analysis: ops not splittable, by reason
+  double added_seconds = 0;
+  std::vector<SplitTrial> trials;
+  // The chosen split graph and its plan (when applied). table.nodes point into
+  // item->graph.
+  std::unique_ptr<tensorflow::grappler::GrapplerItem> item;
+  TensorTable table;
+  std::vector<int> order;
+  ControlFlowInfo flow;
+  MemoryPlan plan;
+  PlannedRewrite rewrite;
+  SimulationResult simulation;
+};
+
+// Plans a split of `item` (whose table, order and control flow are given) under
+// `planner`'s budgets, when `unsplit` (the plan without splitting, simulated as
+// `unsplit_simulation`) does not fit. `options` are the pass's (for analyzing the
+// split graphs).
+absl::Status PlanSplit(const tensorflow::grappler::GrapplerItem& item, const TensorTable& table,
+                       const std::vector<int>& order, const ControlFlowInfo& flow,
+                       const MemoryOptimizerOptions& options,
+                       const MemoryPlannerOptions& planner, const MemoryPlan& unsplit,
+                       SplitOutcome* out);
+
+// Whether a plan needs splitting: it does not fit, or the allocator model refuses
+// one of its allocations on a device with a budget.
+bool NeedsSplit(const MemoryPlan& plan, const SimulationResult& simulation,
+                const std::vector<int64_t>& budget_bytes);
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_PLAN_SPLIT_CHOICE_H_
