@@ -50,6 +50,8 @@ def source(record):
     load = record.get("machine", {}).get("load_average")
     load = f", load average {load[0]:.1f} at the end" if load else ""
     imported = " (recorded from its log)" if record.get("imported_from_log") else ""
+    if imported:
+        load = ""  # the machine's load when the log was recorded, not when it ran
     return (f"`{record['command']}` at commit `{record['commit']}`, {record['date']}"
             f"{imported}{load}.")
 
@@ -120,16 +122,45 @@ def max_batch(key_base, key_swap, key_auto, what):
     return render
 
 
+def _at_least(value, hi):
+    """A search that trained its largest size says only that the limit is above it."""
+    return f"≥ {value} (the search's end)" if hi and value == hi else num(value)
+
+
 def seed000(record):
     r = record["result"]
     sizes = r["max_batch"]
+    hi = r.get("settings", {}).get("hi")
     base = sizes.get("NO_MEM_OPT")
-    rows = [[name, value, f"{value / base:.2f}x" if base and value else "—"]
+    rows = [[name, _at_least(value, hi),
+             ("≥ " if hi and value == hi else "") + f"{value / base:.2f}x"
+             if base and value else "—"]
             for name, value in sizes.items()]
     lines = table(["configuration", "largest batch", "vs NO_MEM_OPT"], rows)
-    lines += ["", f"`floor_batch`: {num(r.get('floor_batch'))}; step time at NO_MEM_OPT's "
+    lines += ["", f"`floor_batch` (ops kept whole): {num(r.get('floor_batch'))}; "
+                  f"`floor_batch_split` (ops split along the batch): "
+                  f"{num(r.get('floor_batch_split'))}; step time at NO_MEM_OPT's "
                   f"largest batch: {pct(r.get('overhead_at_baseline_max'))}."]
     return lines
+
+
+def unet_split(record):
+    r = record["result"]
+    hi = r.get("settings", {}).get("hi")
+    base = r.get("max_batch_baseline")
+    rows = []
+    for key, label, overhead in (("max_batch_baseline", "plain TF", None),
+                                 ("max_batch_no_split", "tfmemopt, enable_split=false",
+                                  r.get("overhead_no_split")),
+                                 ("max_batch_split", "tfmemopt (splitting allowed)",
+                                  r.get("overhead_split"))):
+        value = r.get(key)
+        ratio = (("≥ " if hi and value == hi else "") + f"{value / base:.2f}x"
+                 if base and value else "—")
+        rows.append([label, _at_least(value, hi), ratio,
+                     pct(overhead) if overhead is not None else "—"])
+    return table(["configuration", "largest batch", "vs plain TF",
+                  f"step time at batch {num(r.get('timed_size'))}"], rows)
 
 
 def stress(record):
@@ -196,6 +227,7 @@ RENDERERS = {
     ("deep_resnet", None): max_batch("max_depth_baseline", "max_depth_tfmemopt",
                                      "max_depth_auto", "depth"),
     ("seed000", None): seed000,
+    ("unet_split", None): unet_split,
     ("stress", None): stress,
     ("optimality", None): optimality,
     ("peers", None): peers,
