@@ -591,7 +591,11 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
     if (pruned) *optimized_graph = executed.graph;
     status = RunPipeline(options_, cluster, pruned ? executed : item, optimized_graph,
                          &report, &stages);
-    for (tensorflow::NodeDef& node : never_run) *optimized_graph->add_node() = std::move(node);
+    const int left_out = AppendNeverRunNodes(std::move(never_run), optimized_graph);
+    if (left_out > 0 && options_.log_level >= 1) {
+      LOG(INFO) << "TfMemOpt: graph " << item.id << ": " << left_out
+                << " nodes no fetch needs read ops the rewrite replaced; left out";
+    }
   } catch (const std::exception& e) {
     status = absl::InternalError(absl::StrCat("exception: ", e.what()));
   } catch (...) {

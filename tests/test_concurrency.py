@@ -85,7 +85,8 @@ def report_of(graph_id):
             "budget": r.budget_bytes}
 
 
-tfmemopt.enable(budget=int(sys.argv[1]), min_tensor_bytes=65536, enable_swap=False, log_level=0)
+tfmemopt.enable(budget=int(sys.argv[1]), min_tensor_bytes=65536, enable_swap=False,
+                enable_split=False, log_level=0)
 sequential = {}
 for kind in KINDS:
     result = run(kind, 0)

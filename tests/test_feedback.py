@@ -8,6 +8,10 @@ fresh interpreter per run) below the budget the pass is first given, so the firs
 plan, which fits that budget, does not fit the device. Every step of these short runs
 is guarded (guard_steps=10), so that whichever step runs out of memory (TF's order,
 and with it the peak, moves from step to step near the limit) is retried.
+
+Splitting is kept out (enable_split=False): with it, the pass's allocator model sees
+that no plan at the first budget can be placed under the device's real limit and
+splits the batch until one can, so the first plan trains and nothing is retried.
 """
 
 import json
@@ -30,7 +34,7 @@ from conftest import chain_mlp
 mode = sys.argv[2]
 step, x, ws = chain_mlp(depth=24)
 if mode == "retry":
-    tfmemopt.enable(budget=int(sys.argv[3]), log_level=0)
+    tfmemopt.enable(budget=int(sys.argv[3]), enable_split=False, log_level=0)
     step = tfmemopt.function(step.python_function, retries=6, guard_steps=10)
 losses = [float(step(x)).hex() for _ in range(3)]
 out = {"losses": losses, "weights": [w.numpy().tobytes().hex()[:4096] for w in ws]}
@@ -121,7 +125,8 @@ x = rng.standard_normal((3 * 1024, 256)).astype(np.float32)
 y = rng.standard_normal((3 * 1024, 1)).astype(np.float32)
 callbacks = []
 if mode == "retry":
-    callback = MemoryOptimizer(budget=int(sys.argv[2]), log_level=0, print_report=False,
+    callback = MemoryOptimizer(budget=int(sys.argv[2]), enable_split=False, log_level=0,
+                               print_report=False,
                                retries=6, guard_steps=10)
     callbacks = [callback]
 history = model.fit(x, y, batch_size=1024, epochs=2, shuffle=False, verbose=0,

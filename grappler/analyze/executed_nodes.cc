@@ -85,4 +85,40 @@ bool SplitNeverRunNodes(const GrapplerItem& item, GrapplerItem* executed,
   return true;
 }
 
+int AppendNeverRunNodes(std::vector<tensorflow::NodeDef> never_run,
+                        tensorflow::GraphDef* graph) {
+  absl::flat_hash_set<std::string> present;
+  for (const tensorflow::NodeDef& node : graph->node()) present.insert(node.name());
+  absl::flat_hash_set<std::string> pending;
+  for (const tensorflow::NodeDef& node : never_run) pending.insert(node.name());
+  // A never-run node stays when each input is in the output or a never-run node
+  // that stays: drop the others until nothing changes (never-run nodes may read
+  // each other in any order).
+  std::vector<bool> dropped(never_run.size(), false);
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t i = 0; i < never_run.size(); ++i) {
+      if (dropped[i]) continue;
+      for (const std::string& input : never_run[i].input()) {
+        const std::string name = NodeName(input);
+        if (!present.contains(name) && !pending.contains(name)) {
+          dropped[i] = true;
+          pending.erase(never_run[i].name());
+          changed = true;
+          break;
+        }
+      }
+    }
+  }
+  int left_out = 0;
+  for (size_t i = 0; i < never_run.size(); ++i) {
+    if (dropped[i]) {
+      ++left_out;
+    } else {
+      *graph->add_node() = std::move(never_run[i]);
+    }
+  }
+  return left_out;
+}
+
 }  // namespace tfmemopt

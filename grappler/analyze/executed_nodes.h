@@ -24,6 +24,14 @@ bool SplitNeverRunNodes(const tensorflow::grappler::GrapplerItem& item,
                         tensorflow::grappler::GrapplerItem* executed,
                         std::vector<tensorflow::NodeDef>* never_run);
 
+// Appends the `never_run` nodes to `graph` (the pass's output for the executed
+// item), except those that read, directly or through other never-run nodes, a node
+// `graph` no longer has: a split removes the ops it slices, and a node that never
+// runs gets no join of its own. Such a node would make the graph invalid; leaving
+// it out changes nothing the step runs. Returns how many were left out.
+int AppendNeverRunNodes(std::vector<tensorflow::NodeDef> never_run,
+                        tensorflow::GraphDef* graph);
+
 }  // namespace tfmemopt
 
 #endif  // TFMEMOPT_GRAPPLER_ANALYZE_EXECUTED_NODES_H_
