@@ -393,6 +393,20 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->recompute.hinted_but_not_recomputable = plan.hinted_but_not_recomputable;
     report->recompute.note = plan.note;
     for (int n : plan.checkpoints) report->recompute.checkpoints.push_back(table.nodes[n].def->name());
+    report->plan_choice.chosen = plan.chosen_plan;
+    for (const CandidatePlan& c : plan.candidate_plans) {
+      PlanChoiceReport::Candidate entry;
+      entry.name = c.name;
+      entry.fits = c.fits;
+      entry.added_seconds = c.added_seconds;
+      entry.recomputed = c.recomputed;
+      entry.swapped = c.swapped;
+      entry.simulations = c.simulations;
+      for (size_t d = 0; d < c.peak_bytes.size() && d < table.devices.size(); ++d) {
+        entry.peak_bytes[table.devices[d]] = c.peak_bytes[d];
+      }
+      report->plan_choice.candidates.push_back(std::move(entry));
+    }
     for (size_t d = 0; d < devices.size() && d < plan.peak_bytes.size(); ++d) {
       devices[d].planned_peak_bytes = plan.peak_bytes[d];
     }

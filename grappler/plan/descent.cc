@@ -6,51 +6,24 @@
 #include <queue>
 
 #include "grappler/plan/memory_planner.h"
+#include "grappler/plan/objective.h"
 #include "grappler/rewrite/recompute_pass.h"
 #include "tensorflow/core/platform/logging.h"
 
 namespace tfmemopt {
-namespace {
-
-int64_t Excess(const SimulationResult& simulation, const std::vector<int64_t>& budget,
-               int* worst_device) {
-  int64_t excess = INT64_MIN;
-  *worst_device = -1;
-  for (size_t d = 0; d < simulation.devices.size() && d < budget.size(); ++d) {
-    if (budget[d] <= 0) continue;
-    const int64_t over = PredictedPeak(simulation.devices[d]) - budget[d];
-    if (over > excess) {
-      excess = over;
-      *worst_device = static_cast<int>(d);
-    }
-  }
-  return *worst_device < 0 ? 0 : excess;
-}
-
-// How far a simulated plan is from fitting: the live bytes above the budget summed
-// over all steps, plus the peak's excess counted once per step. The sum keeps
-// guiding the search when several steps share the peak and a choice lowers only
-// some of them.
-double Overshoot(const SimulationResult& simulation, const std::vector<int64_t>& budget) {
-  double total = 0;
-  for (size_t d = 0; d < simulation.devices.size() && d < budget.size(); ++d) {
-    if (budget[d] <= 0) continue;
-    const DeviceTimeline& t = simulation.devices[d];
-    for (size_t s = 0; s < t.activation_bytes.size(); ++s) {
-      const int64_t live = t.persistent_bytes + t.activation_bytes[s] + t.gradient_bytes[s];
-      if (live > budget[d]) total += static_cast<double>(live - budget[d]);
-    }
-    const int64_t over = PredictedPeak(t) - budget[d];
-    if (over > 0) total += static_cast<double>(over) * t.activation_bytes.size();
-  }
-  return total;
-}
-
-}  // namespace
 
 Planner::Planner(const PlanContext& context, std::vector<Mechanism*> mechanisms,
                  MemoryPlan* plan)
-    : ctx_(context), mechanisms_(std::move(mechanisms)), plan_(plan), work_(context.table) {}
+    : ctx_(context),
+      mechanisms_(std::move(mechanisms)),
+      plan_(plan),
+      work_(context.table),
+      simulation_limit_(plan->simulations + context.options.max_simulations) {}
+
+void Planner::BeginSearch() {
+  allocator_ = false;
+  simulation_limit_ = plan_->simulations + ctx_.options.max_simulations;
+}
 
 Choice Planner::EmptyChoice() const {
   Choice choice;
@@ -124,8 +97,7 @@ absl::Status Planner::Evaluate(Choice choice, Evaluated* out) {
   }
   status = EvaluateAs(std::move(other_choice), &other);
   if (!status.ok()) return status;
-  const bool better = other.excess < usual.excess ||
-                      (other.excess == usual.excess && other.overshoot < usual.overshoot);
+  const bool better = CloserToFitting(other.objective(), usual.objective(), false);
   *out = std::move(better ? other : usual);
   return absl::OkStatus();
 }
@@ -160,8 +132,10 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
   rewrite_seconds_ += std::chrono::duration<double>(built - start).count();
   simulate_seconds_ +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - built).count();
-  out->excess = Excess(out->simulation, ctx_.options.budget_bytes, &out->worst_device);
-  out->overshoot = Overshoot(out->simulation, ctx_.options.budget_bytes);
+  const Objective objective = Judge(out->simulation, ctx_.options.budget_bytes);
+  out->excess = objective.excess;
+  out->overshoot = objective.overshoot;
+  out->worst_device = objective.worst_device;
   out->seconds = 0;
   for (const Mechanism* mechanism : mechanisms_) out->seconds = mechanism->AddSeconds(out->seconds);
   return absl::OkStatus();
@@ -274,8 +248,7 @@ absl::Status Planner::Descend(const Choice& fixed_in, std::vector<Group> groups,
   if (!status.ok()) return status;
   std::vector<Candidate> candidates;
   auto improves = [this](const Evaluated& next, const Evaluated& now) {
-    return next.excess < now.excess ||
-           (!peak_only_ && next.excess == now.excess && next.overshoot < now.overshoot);
+    return CloserToFitting(next.objective(), now.objective(), peak_only_);
   };
   auto with = [](const Choice& base, const Candidate& c) {
     Choice next = base;
@@ -285,7 +258,8 @@ absl::Status Planner::Descend(const Choice& fixed_in, std::vector<Group> groups,
   };
   auto group_of = [](const Candidate& c) { return Group{c.mechanism, c.items, c.seconds}; };
   const int n = static_cast<int>(ctx_.table.nodes.size());
-  while (plan_->simulations < ctx_.options.max_simulations) {
+  while (plan_->simulations < simulation_limit_) {
+    if (cost_bound_ > 0 && state.seconds > cost_bound_) break;
     if (state.excess <= 0) {
       if (allocator_ || !HasAllocatorModel()) break;
       status = UseAllocatorModel(&state);
@@ -348,8 +322,7 @@ absl::Status Planner::Descend(const Choice& fixed_in, std::vector<Group> groups,
     Evaluated chosen_state;
     const double steps = static_cast<double>(
         state.simulation.devices[state.worst_device].activation_bytes.size());
-    for (size_t i = 0; i < candidates.size() && i < 6 &&
-                       plan_->simulations < ctx_.options.max_simulations;
+    for (size_t i = 0; i < candidates.size() && i < 6 && plan_->simulations < simulation_limit_;
          ++i) {
       const Candidate& c = candidates[i];
       if (static_cast<int64_t>(c.items.size()) >

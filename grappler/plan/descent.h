@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "grappler/plan/mechanism.h"
+#include "grappler/plan/objective.h"
 
 namespace tfmemopt {
 
@@ -32,10 +33,20 @@ struct Evaluated {
   Choice choice;
   std::vector<int> order;  // the simulated order of the applied choice
   SimulationResult simulation;
-  int64_t excess = 0;     // worst device's predicted peak above its budget
-  double overshoot = 0;   // see Overshoot in descent.cc
+  // The simulation judged (plan/objective.h): worst device's predicted peak above
+  // its budget, how far from fitting, and which device.
+  int64_t excess = 0;
+  double overshoot = 0;
   int worst_device = -1;
   double seconds = 0;  // predicted added time
+
+  Objective objective() const {
+    Objective o;
+    o.excess = excess;
+    o.overshoot = overshoot;
+    o.worst_device = worst_device;
+    return o;
+  }
 };
 
 // Choices that the final cleanup may take back, one group at a time.
@@ -51,6 +62,10 @@ class Planner {
   Planner(const PlanContext& context, std::vector<Mechanism*> mechanisms, MemoryPlan* plan);
 
   int num_mechanisms() const { return static_cast<int>(mechanisms_.size()); }
+  // Starts a search of its own: max_simulations more simulations from here, on
+  // live bytes first (the allocator model switched off until they fit or cannot),
+  // as a planner made afresh would run it.
+  void BeginSearch();
   // A choice with no items, shaped for this planner.
   Choice EmptyChoice() const;
 
@@ -65,6 +80,10 @@ class Planner {
   // dropped at the end.
   absl::Status Descend(const Choice& fixed, std::vector<Group> groups,
                        const std::vector<bool>& proposing, Evaluated* best);
+  // Makes Descend give up once the time its choice adds exceeds `seconds` (a plan
+  // that fits at a fraction of that is in hand); 0: no bound.
+  void set_cost_bound(double seconds) { cost_bound_ = seconds; }
+  double cost_bound() const { return cost_bound_; }
   // Makes Descend take only choices that lower the peak (not those that lower
   // just the live bytes above the budget at other steps).
   void set_peak_only(bool peak_only) { peak_only_ = peak_only; }
@@ -92,6 +111,8 @@ class Planner {
   MemoryPlan* plan_;
   bool allocator_ = false;
   bool peak_only_ = false;
+  int simulation_limit_ = 0;  // Descend stops here (BeginSearch)
+  double cost_bound_ = 0;
   // The base table, with the choice being evaluated applied in place.
   TensorTable work_;
   int applied_ = 0;  // mechanisms applied to work_ (Unapply takes them back)

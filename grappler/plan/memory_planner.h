@@ -22,6 +22,12 @@
 //    again after each step, until the peak fits or nothing lowers it any more (then
 //    the lowest peak found is reported as the minimum). Choices the budget turns
 //    out not to need are dropped again at the end, most expensive first.
+//    With swapping enabled too, the same search runs three times: jointly, and with
+//    each mechanism alone (as a configuration with the other disabled would run
+//    it); the plan that fits at the lowest added time is kept (none fitting: the
+//    one closest to fitting), and MemoryPlan::candidate_plans says what each found.
+//    A single-mechanism search is given up once its choice adds 1.5 times the time
+//    of a fitting plan in hand.
 //    Small graphs (see exact_max_candidates) then get an exact search: every set
 //    of recompute candidates, cheapest first, is simulated until one fits; it
 //    replaces the greedy plan if it is cheaper. On such graphs (exact_max_nodes)

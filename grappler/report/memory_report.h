@@ -95,6 +95,22 @@ struct ScheduleReport {
   int simulations = 0;
 };
 
+// How the planner chose among the plans it found (AUTO with both mechanisms: the
+// joint search and each mechanism searched alone; the best is kept).
+struct PlanChoiceReport {
+  struct Candidate {
+    std::string name;  // "joint", "swap_only", "recompute_only"
+    bool fits = false;
+    double added_seconds = 0;
+    int recomputed = 0;  // forward nodes cloned
+    int swapped = 0;     // tensors swapped
+    std::map<std::string, int64_t> peak_bytes;  // per device, predicted
+    int simulations = 0;  // plans its search simulated
+  };
+  std::vector<Candidate> candidates;
+  std::string chosen;  // a candidate's name, or "exact" (the exact search's plan)
+};
+
 struct MemoryReport {
   std::string graph_id;
   std::string status = "ok";  // "ok" | "fallback"
@@ -116,6 +132,7 @@ struct MemoryReport {
   RecomputeReport recompute;
   SwapReport swap;
   ScheduleReport schedule;
+  PlanChoiceReport plan_choice;
   // Timelines of the final graph and of the original one: per device, transient
   // bytes per step by role.
   std::vector<DeviceTimeline> timeline;
