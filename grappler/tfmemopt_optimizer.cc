@@ -394,6 +394,8 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->recompute.note = plan.note;
     for (int n : plan.checkpoints) report->recompute.checkpoints.push_back(table.nodes[n].def->name());
     report->plan_choice.chosen = plan.chosen_plan;
+    report->plan_choice.allocator_windows = plan.allocator_windows;
+    report->plan_choice.freed_for_allocator = plan.steered_tensors;
     for (const CandidatePlan& c : plan.candidate_plans) {
       PlanChoiceReport::Candidate entry;
       entry.name = c.name;

@@ -136,6 +136,7 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
   out->excess = objective.excess;
   out->overshoot = objective.overshoot;
   out->worst_device = objective.worst_device;
+  out->focus = objective.focus;
   out->seconds = 0;
   for (const Mechanism* mechanism : mechanisms_) out->seconds = mechanism->AddSeconds(out->seconds);
   return absl::OkStatus();
@@ -144,9 +145,11 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
 absl::Status Planner::Candidates(const Evaluated& state, const std::vector<bool>& proposing,
                                  std::vector<Candidate>* out) {
   out->clear();
-  if (state.worst_device < 0) return absl::OkStatus();
-  const DeviceTimeline& timeline = state.simulation.devices[state.worst_device];
-  const int peak_step = timeline.peak_step;
+  // At the step where the plan goes wrong (objective.h: the live peak, the
+  // allocator's peak, or its refusal).
+  const Target target = TargetOf(state.objective(), state.simulation);
+  if (target.device < 0) return absl::OkStatus();
+  const int peak_step = target.step;
   if (peak_step < 0) return absl::OkStatus();
   absl::Status status = Apply(state.choice);
   if (!status.ok()) {
@@ -158,7 +161,7 @@ absl::Status Planner::Candidates(const Evaluated& state, const std::vector<bool>
   std::vector<int> position(now.nodes.size(), -1);
   for (size_t s = 0; s < state.order.size(); ++s) position[state.order[s]] = static_cast<int>(s);
   std::vector<bool> live(now.buffers.size(), false);
-  for (int b : timeline.live_at_peak) live[b] = true;
+  for (int b : *target.live) live[b] = true;
   for (size_t m = 0; m < mechanisms_.size(); ++m) {
     mechanisms_[m]->BeginProposals(state.choice.items[m]);
   }
@@ -178,7 +181,7 @@ absl::Status Planner::Candidates(const Evaluated& state, const std::vector<bool>
     return false;
   };
 
-  for (int b : timeline.live_at_peak) {
+  for (int b : *target.live) {
     if (b >= base_buffers || table.buffers[b].persistent) continue;
     const int owner_node = table.tensors[table.buffers[b].owner].node;
     if (table.nodes[owner_node].backward || table.buffers[b].bytes < ctx_.options.min_tensor_bytes ||
@@ -216,9 +219,11 @@ absl::Status Planner::Candidates(const Evaluated& state, const std::vector<bool>
     // Later mechanisms are asked first: candidates are listed in the order the
     // planner listed them before mechanisms had a shape of their own (swap, then
     // recompute), which the sort below, not being stable, depends on.
+    const size_t proposed = out->size();
     for (int m = static_cast<int>(mechanisms_.size()) - 1; m >= 0; --m) {
       if (proposing[m]) mechanisms_[m]->Propose(view, holding, m, out);
     }
+    for (size_t c = proposed; c < out->size(); ++c) (*out)[c].buffer = b;
   }
   Unapply();
   std::sort(out->begin(), out->end(), [](const Candidate& a, const Candidate& b) {
@@ -277,6 +282,19 @@ absl::Status Planner::Descend(const Choice& fixed_in, std::vector<Group> groups,
               << state.overshoot << ", " << candidates.size() << " candidates";
     }
     if (candidates.empty()) break;
+    if (state.focus == Focus::kRefusal) {
+      // The allocator refuses although the peak fits: first free a chunk that large.
+      Evaluated steered_state;
+      std::vector<Group> steered_groups;
+      bool steered = false;
+      status = SteerAroundRefusal(state, candidates, &steered_state, &steered_groups, &steered);
+      if (!status.ok()) return status;
+      if (steered) {
+        groups.insert(groups.end(), steered_groups.begin(), steered_groups.end());
+        state = std::move(steered_state);
+        continue;
+      }
+    }
     // First several at once: the best until their estimated savings cover the
     // excess. Each estimate assumes its anchors stay, so a batch never drops
     // another member's anchor.

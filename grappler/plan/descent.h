@@ -38,6 +38,7 @@ struct Evaluated {
   int64_t excess = 0;
   double overshoot = 0;
   int worst_device = -1;
+  Focus focus = Focus::kLivePeak;
   double seconds = 0;  // predicted added time
 
   Objective objective() const {
@@ -45,6 +46,7 @@ struct Evaluated {
     o.excess = excess;
     o.overshoot = overshoot;
     o.worst_device = worst_device;
+    o.focus = focus;
     return o;
   }
 };
@@ -105,6 +107,12 @@ class Planner {
   void Unapply();
   absl::Status Candidates(const Evaluated& state, const std::vector<bool>& proposing,
                           std::vector<Candidate>* out);
+  // At an allocator refusal (plan/steer.cc): takes the candidates whose buffers'
+  // chunks, freed together, would give BFC a chunk of the refused size, if that
+  // brings the plan closer to fitting. `candidates` are Candidates' at the refusal.
+  absl::Status SteerAroundRefusal(const Evaluated& state,
+                                  const std::vector<Candidate>& candidates, Evaluated* next,
+                                  std::vector<Group>* taken, bool* steered);
 
   const PlanContext& ctx_;
   std::vector<Mechanism*> mechanisms_;

@@ -104,6 +104,7 @@ struct Candidate {
   int64_t gain = 0;     // bytes it takes off the peak (estimate)
   double seconds = 0;   // time it adds (estimate, > 0)
   int owner = 0;        // tie-break: the holding's owner node
+  int buffer = -1;      // the holding's buffer (set by the planner)
 };
 
 class Mechanism {

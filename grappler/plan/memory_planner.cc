@@ -218,6 +218,21 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   if (!status.ok()) return status;
   plan->recompute_nodes = rewrite->recompute.cloned;
   plan->swap_tensors = rewrite->swap.swapped;
+  {
+    // The buffers taken to free a chunk at a refusal that the applied plan keeps.
+    std::vector<bool> taken(table.buffers.size(), false);
+    for (int t : plan->swap_tensors) taken[table.tensors[t].buffer] = true;
+    for (int r : plan->recompute_nodes) {
+      for (int t : table.nodes[r].outputs) taken[table.tensors[t].buffer] = true;
+    }
+    std::sort(plan->steered_buffers.begin(), plan->steered_buffers.end());
+    plan->steered_buffers.erase(
+        std::unique(plan->steered_buffers.begin(), plan->steered_buffers.end()),
+        plan->steered_buffers.end());
+    for (int b : plan->steered_buffers) {
+      if (taken[b]) plan->steered_tensors.push_back(table.TensorName(table.buffers[b].owner));
+    }
+  }
   plan->feasible = best.excess <= 0;
   plan->added_seconds = best.seconds;
   for (const DeviceTimeline& timeline : best.simulation.devices) {

@@ -82,6 +82,12 @@ struct MemoryPlan {
   // search, which may still replace it by a cheaper recompute-only plan).
   std::vector<CandidatePlan> candidate_plans;
   std::string chosen_plan;
+  // Allocator refusals the searches steered around (plan/steer.cc): windows of
+  // neighbouring chunks freed, and the base buffers taken for them.
+  int allocator_windows = 0;
+  std::vector<int> steered_buffers;
+  // Of those, the tensors the applied plan swaps or recomputes (buffer owners).
+  std::vector<std::string> steered_tensors;
 };
 
 }  // namespace tfmemopt

@@ -182,7 +182,9 @@ std::string MemoryReport::ToJson() const {
     }
     out << "}}";
   }
-  out << "]},\"timeline\":" << TimelineJson(timeline)
+  out << "],\"allocator_windows\":" << plan_choice.allocator_windows
+      << ",\"freed_for_allocator\":" << QuotedList(plan_choice.freed_for_allocator)
+      << "},\"timeline\":" << TimelineJson(timeline)
       << ",\"timeline_before\":" << TimelineJson(timeline_before) << ",\"stage_seconds\":{";
   bool first = true;
   for (const auto& [stage, seconds] : stage_seconds) {

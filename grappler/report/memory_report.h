@@ -109,6 +109,10 @@ struct PlanChoiceReport {
   };
   std::vector<Candidate> candidates;
   std::string chosen;  // a candidate's name, or "exact" (the exact search's plan)
+  // Allocator refusals steered around (plan/steer.cc): windows of neighbouring BFC
+  // chunks the searches freed, and the tensors the applied plan takes for them.
+  int allocator_windows = 0;
+  std::vector<std::string> freed_for_allocator;
 };
 
 struct MemoryReport {
