@@ -430,6 +430,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->swap.copy_seconds = swap.copy_seconds;
     report->swap.host_peak_bytes = 0;
     HostBytesTimeline(swap.table, swap.order, &report->swap.host_peak_bytes);
+    report->plan_choice.order_edges = rewrite.pin_edges;
     return ApplyPlannedRewrite(rewrite, output);
   });
   if (!status.ok()) return status;

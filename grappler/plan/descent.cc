@@ -54,52 +54,70 @@ absl::Status Planner::EvaluateWithAllocator(Choice choice, Evaluated* out) {
 
 absl::Status Planner::Apply(const Choice& choice) {
   applied_ = 0;
+  pins_applied_ = false;
   const std::vector<int>* order = &ctx_.order;
   for (size_t m = 0; m < mechanisms_.size(); ++m) {
     absl::Status status =
-        mechanisms_[m]->Apply(&work_, *order, choice.items[m], choice.variant);
+        choice.pinned ? mechanisms_[m]->ApplyPinned(&work_, *order, choice.items[m])
+                      : mechanisms_[m]->Apply(&work_, *order, choice.items[m], choice.variant);
     applied_ = static_cast<int>(m) + 1;
     if (!status.ok()) return status;
     order = &mechanisms_[m]->order();
   }
-  return absl::OkStatus();
+  if (!choice.pinned) return absl::OkStatus();
+  pin_edit_.Begin(work_);
+  pins_applied_ = true;
+  const int added = static_cast<int>(work_.nodes.size() - ctx_.table.nodes.size());
+  return PinOrder(&work_, ctx_.flow, *order, PinEdgeLimit(added), &pin_edit_, &pinned_,
+                  &pinned_order_);
 }
 
 void Planner::Unapply() {
+  if (pins_applied_) pin_edit_.Undo(&work_);
+  pins_applied_ = false;
   for (int m = applied_ - 1; m >= 0; --m) mechanisms_[m]->Undo(&work_);
   applied_ = 0;
 }
 
-// Simulates `choice` with both placements and keeps the better: where the
-// executor's order runs a clone decides whether it lowers the peak. (If the usual
-// placement fits, the other is not simulated: the planner asks no more of a plan
-// than that it fits. Graphs past exact_max_nodes get the usual placement only:
-// there a simulation costs milliseconds, and the plan time of a big graph is
-// bounded by the number of simulations.)
+// Simulates `choice` with each placement and keeps the best: where the executor's
+// order runs a clone decides whether it lowers the peak. The usual placement first;
+// if it does not fit, the order pinned with each clone right before its reader
+// (Checkmate's placement, plan/pin_order.h), then the alternative placement. (The
+// planner asks no more of a plan than that it fits: once one does, the others are
+// not simulated. Graphs past exact_max_nodes get the usual placement only: there a
+// simulation costs milliseconds, and the plan time of a big graph is bounded by the
+// number of simulations.)
 absl::Status Planner::Evaluate(Choice choice, Evaluated* out) {
   choice.items.resize(mechanisms_.size());
   choice.variant = false;
-  bool variant = false;
+  choice.pinned = false;
+  bool variant = false, adds = false;
   for (size_t m = 0; m < mechanisms_.size(); ++m) {
     variant = variant || mechanisms_[m]->HasVariant(choice.items[m]);
+    adds = adds || !choice.items[m].empty();
   }
-  if (!variant || static_cast<int>(ctx_.table.nodes.size()) > ctx_.options.exact_max_nodes) {
+  if (!adds || static_cast<int>(ctx_.table.nodes.size()) > ctx_.options.exact_max_nodes) {
     return EvaluateAs(std::move(choice), out);
   }
-  Evaluated usual, other;
-  Choice other_choice = choice;
-  other_choice.variant = true;
-  absl::Status status = EvaluateAs(std::move(choice), &usual);
-  if (!status.ok()) return status;
-  if (usual.excess <= 0) {
-    *out = std::move(usual);
-    return absl::OkStatus();
+  std::vector<Choice> others;
+  Choice pinned = choice;
+  pinned.pinned = true;
+  others.push_back(std::move(pinned));
+  if (variant) {
+    Choice other = choice;
+    other.variant = true;
+    others.push_back(std::move(other));
   }
-  status = EvaluateAs(std::move(other_choice), &other);
-  if (!status.ok()) return status;
-  const bool better = CloserToFitting(other.objective(), usual.objective(), false);
-  *out = std::move(better ? other : usual);
-  return absl::OkStatus();
+  absl::Status status = EvaluateAs(std::move(choice), out);
+  for (Choice& other : others) {
+    if (!status.ok() || out->excess <= 0) break;
+    Evaluated trial;
+    status = EvaluateAs(std::move(other), &trial);
+    if (status.ok() && CloserToFitting(trial.objective(), out->objective(), false)) {
+      *out = std::move(trial);
+    }
+  }
+  return status;
 }
 
 absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {

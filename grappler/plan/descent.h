@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "grappler/plan/mechanism.h"
 #include "grappler/plan/objective.h"
+#include "grappler/plan/pin_order.h"
 
 namespace tfmemopt {
 
@@ -124,6 +125,10 @@ class Planner {
   // The base table, with the choice being evaluated applied in place.
   TensorTable work_;
   int applied_ = 0;  // mechanisms applied to work_ (Unapply takes them back)
+  bool pins_applied_ = false;  // work_ holds pinning edges (pin_edit_ takes them back)
+  TableEdit pin_edit_;
+  PinnedOrder pinned_;
+  std::vector<int> pinned_order_;
   double rewrite_seconds_ = 0, simulate_seconds_ = 0;
 };
 

@@ -210,12 +210,26 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   VLOG(1) << "TfMemOpt plan: " << plan->simulations << " simulations, building rewrites "
           << planner.rewrite_seconds() << " s, simulating " << planner.simulate_seconds()
           << " s";
+  const ClonePlacement placement = best.choice.pinned    ? ClonePlacement::kBeforeReader
+                                   : best.choice.variant ? ClonePlacement::kEarlier
+                                                         : ClonePlacement::kAtReaderInput;
   status = BuildRecomputeRewrite(table, order, flow, best.choice.items[kRecompute],
-                                 &rewrite->recompute, best.choice.variant);
+                                 &rewrite->recompute, placement);
   if (!status.ok()) return status;
   status = BuildSwapRewrite(std::move(rewrite->recompute.table), rewrite->recompute.order, flow,
                             best.choice.items[kSwap], swap.options(), &rewrite->swap);
   if (!status.ok()) return status;
+  rewrite->pin_edges.clear();
+  if (best.choice.pinned) {
+    // The same edges the planner simulated (Planner::Apply pins the same target).
+    PinnedOrder pinned;
+    std::vector<int> pinned_order;
+    const int added = static_cast<int>(rewrite->swap.table.nodes.size() - table.nodes.size());
+    status = PinOrder(&rewrite->swap.table, flow, rewrite->swap.order, PinEdgeLimit(added),
+                      nullptr, &pinned, &pinned_order);
+    if (!status.ok()) return status;
+    rewrite->pin_edges = PinnedEdgeNames(rewrite->swap.table, pinned);
+  }
   plan->recompute_nodes = rewrite->recompute.cloned;
   plan->swap_tensors = rewrite->swap.swapped;
   {
@@ -245,7 +259,9 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
 absl::Status ApplyPlannedRewrite(const PlannedRewrite& rewrite, tensorflow::GraphDef* graph) {
   absl::Status status = ApplyRecomputeRewrite(rewrite.recompute, graph);
   if (!status.ok()) return status;
-  return ApplySwapRewrite(rewrite.swap, graph);
+  status = ApplySwapRewrite(rewrite.swap, graph);
+  if (!status.ok()) return status;
+  return ApplyPinnedEdges(rewrite.pin_edges, graph);
 }
 
 }  // namespace tfmemopt

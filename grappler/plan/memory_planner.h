@@ -61,6 +61,7 @@
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/memory_optimizer_options.h"
 #include "grappler/plan/mechanism.h"
+#include "grappler/plan/pin_order.h"
 #include "grappler/plan/planner_options.h"
 #include "grappler/plan/recompute_choice.h"
 #include "grappler/plan/swap_choice.h"
@@ -76,6 +77,9 @@ namespace tfmemopt {
 struct PlannedRewrite {
   RecomputeRewrite recompute;
   SwapRewrite swap;
+  // Control edges (from, to) that pin the executor to the order simulated
+  // (plan/pin_order.h), when the plan was simulated pinned.
+  std::vector<std::pair<std::string, std::string>> pin_edges;
   const TensorTable& table() const { return swap.table; }
   const std::vector<int>& order() const { return swap.order; }
 };

@@ -182,6 +182,11 @@ std::string MemoryReport::ToJson() const {
     }
     out << "}}";
   }
+  out << "],\"order_edges\":[";
+  for (size_t i = 0; i < plan_choice.order_edges.size(); ++i) {
+    out << (i ? "," : "") << "[" << Quote(plan_choice.order_edges[i].first) << ","
+        << Quote(plan_choice.order_edges[i].second) << "]";
+  }
   out << "],\"allocator_windows\":" << plan_choice.allocator_windows
       << ",\"freed_for_allocator\":" << QuotedList(plan_choice.freed_for_allocator)
       << "},\"timeline\":" << TimelineJson(timeline)

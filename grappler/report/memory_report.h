@@ -109,6 +109,9 @@ struct PlanChoiceReport {
   };
   std::vector<Candidate> candidates;
   std::string chosen;  // a candidate's name, or "exact" (the exact search's plan)
+  // Control edges (waited for, waiting) that pin TF's executor to the order the
+  // plan was simulated in (each clone right before its reader; plan/pin_order.h).
+  std::vector<std::pair<std::string, std::string>> order_edges;
   // Allocator refusals steered around (plan/steer.cc): windows of neighbouring BFC
   // chunks the searches freed, and the tensors the applied plan takes for them.
   int allocator_windows = 0;
