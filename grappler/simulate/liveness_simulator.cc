@@ -327,9 +327,9 @@ class PeakSetListener : public Listener {
  public:
   PeakSetListener(const TensorTable& table, size_t peak_step, int device,
                   const std::vector<int>& device_of_buffer, Replay* replay,
-                  DeviceTimeline* timeline)
+                  std::vector<int>* live)
       : table_(table), peak_step_(peak_step), device_(device),
-        device_of_buffer_(device_of_buffer), replay_(replay), timeline_(timeline) {}
+        device_of_buffer_(device_of_buffer), replay_(replay), live_(live) {}
 
   void Step(size_t step) override {
     if (step != peak_step_) return;
@@ -338,7 +338,7 @@ class PeakSetListener : public Listener {
     for (size_t b = 0; b < device_of_buffer_.size(); ++b) {
       if (replay_->live(b) && device_of_buffer_[b] == device_ &&
           table_.buffers[b].released_by < 0) {
-        timeline_->live_at_peak.push_back(b);
+        live_->push_back(b);
       }
     }
   }
@@ -349,7 +349,7 @@ class PeakSetListener : public Listener {
   int device_;
   const std::vector<int>& device_of_buffer_;
   Replay* replay_;
-  DeviceTimeline* timeline_;
+  std::vector<int>* live_;
 };
 
 // Replays one device's allocations through the BFC model.
@@ -377,6 +377,7 @@ class AllocatorListener : public Listener {
       if (!table_.buffers[b].persistent && !table_.buffers[b].external) Freed(b);
       OldCopiesFreed(b);
     }
+    next_step_ = 0;
   }
 
   void Allocated(int b) override {
@@ -391,10 +392,12 @@ class AllocatorListener : public Listener {
   void Reused(int from, int to) override {
     chunk_[to] = chunk_[from];
     chunk_[from] = -2;
+    Own(chunk_[to], to);
   }
   void VariableCopied(int b) override {
     if (!Mine(b)) return;
     old_copies_[b].push_back(chunk_[b]);
+    Own(chunk_[b], -2);
     chunk_[b] = Allocate(b);
     step_bytes_ += table_.buffers[b].bytes;
   }
@@ -404,14 +407,17 @@ class AllocatorListener : public Listener {
   }
   void Step(size_t step) override {
     const int n = order_[step];
+    next_step_ = static_cast<int>(step);
     if (device_of_node_[n] == device_ && table_.nodes[n].temp_bytes > 0) {
       const int64_t chunk = allocator_->Allocate(table_.nodes[n].temp_bytes);
       if (chunk < 0) {
         Refused(table_.nodes[n].temp_bytes,
                 absl::StrCat("scratch of ", table_.nodes[n].def->name()));
       }
+      Measure();
       allocator_->Free(chunk);
     }
+    next_step_ = static_cast<int>(step) + 1;
     // The measured step, kernel by kernel, for benchmarks/trace_step_memory.py.
     if (VLOG_IS_ON(2) && log_) {
       const NodeInfo& node = table_.nodes[n];
@@ -422,9 +428,19 @@ class AllocatorListener : public Listener {
     step_bytes_ = 0;
   }
   void set_log(bool log) { log_ = log; }
+  // Whether the allocator's peak is being looked for (the measured steps).
+  void set_measuring(bool measuring) { measuring_ = measuring; }
   // The first allocation the model refused (0 bytes if none).
   int64_t refused_bytes() const { return refused_bytes_; }
   const std::string& refused() const { return refused_; }
+  int refused_step() const { return refused_step_; }
+  int peak_step() const { return peak_step_; }
+  // Fills the refusal's allocator state into `timeline`.
+  void DescribeRefusal(DeviceTimeline* timeline) const {
+    timeline->allocator_largest_free_bytes = largest_free_at_refusal_;
+    timeline->allocator_unallocated_bytes = unallocated_at_refusal_;
+    timeline->allocator_regions_at_refusal = regions_at_refusal_;
+  }
 
  private:
   void Refused(int64_t bytes, std::string what) {
@@ -432,6 +448,43 @@ class AllocatorListener : public Listener {
     if (bytes <= 0 || refused_bytes_ > 0) return;
     refused_bytes_ = bytes;
     refused_ = std::move(what);
+    refused_step_ = next_step_;
+    // BFC's state at the refusal: what would have to be freed, and where, for a
+    // chunk of this size to exist.
+    largest_free_at_refusal_ = allocator_->largest_free_bytes();
+    unallocated_at_refusal_ = allocator_->unallocated_bytes();
+    regions_at_refusal_.clear();
+    for (const auto& region : allocator_->Regions(BfcAllocatorModel::RoundedBytes(bytes))) {
+      std::vector<DeviceTimeline::RegionChunk> chunks;
+      for (const auto& [address, size, in_use] : region.chunks) {
+        int buffer = -1;
+        if (in_use) {
+          auto it = owner_.find(address);
+          buffer = it == owner_.end() ? -2 : it->second;
+        }
+        chunks.push_back({size, buffer});
+      }
+      regions_at_refusal_.push_back(std::move(chunks));
+    }
+  }
+
+  // The allocator's peak over the measured steps, and where it is reached.
+  void Measure() {
+    if (measuring_ && allocator_->bytes_in_use() > measured_peak_) {
+      measured_peak_ = allocator_->bytes_in_use();
+      peak_step_ = next_step_;
+    }
+  }
+
+  // Which buffer a chunk (address) holds memory for; -2: none of the graph's.
+  void Own(int64_t chunk, int buffer) {
+    if (chunk < 0) return;
+    owner_[chunk] = buffer;
+    auto it = pieces_.find(chunk);
+    if (it == pieces_.end()) return;
+    for (int64_t piece : it->second) {
+      if (piece >= 0) owner_[piece] = buffer;
+    }
   }
 
   bool Mine(int b) const { return device_of_buffer_[b] == device_; }
@@ -446,11 +499,18 @@ class AllocatorListener : public Listener {
       Refused(piece > 0 ? piece : buffer.bytes, table_.TensorName(buffer.owner));
       return first;
     }
+    owner_[first] = b;
+    Measure();
     if (piece <= 0) return first;
     std::vector<int64_t>& rest = pieces_[first];
     for (int64_t i = 1; i < buffer.pieces; ++i) {
       rest.push_back(allocator_->Allocate(piece));
-      if (rest.back() < 0) Refused(piece, table_.TensorName(buffer.owner));
+      if (rest.back() < 0) {
+        Refused(piece, table_.TensorName(buffer.owner));
+      } else {
+        owner_[rest.back()] = b;
+        Measure();
+      }
     }
     return first;
   }
@@ -458,10 +518,14 @@ class AllocatorListener : public Listener {
     if (chunk < 0) return;
     auto it = pieces_.find(chunk);
     if (it != pieces_.end()) {
-      for (int64_t piece : it->second) allocator_->Free(piece);
+      for (int64_t piece : it->second) {
+        allocator_->Free(piece);
+        owner_.erase(piece);
+      }
       pieces_.erase(it);
     }
     allocator_->Free(chunk);
+    owner_.erase(chunk);
   }
 
   const TensorTable& table_;
@@ -477,6 +541,14 @@ class AllocatorListener : public Listener {
   bool log_ = false;
   int64_t refused_bytes_ = 0;
   std::string refused_;
+  int next_step_ = 0;  // the step running (allocations come before its Step call)
+  bool measuring_ = false;
+  int64_t measured_peak_ = 0;
+  int peak_step_ = -1;
+  int refused_step_ = -1;
+  int64_t largest_free_at_refusal_ = 0, unallocated_at_refusal_ = 0;
+  std::vector<std::vector<DeviceTimeline::RegionChunk>> regions_at_refusal_;
+  absl::flat_hash_map<int64_t, int> owner_;  // chunk address -> buffer
 };
 
 int DeviceIndex(const std::vector<std::string>& devices, const std::string& device) {
@@ -665,7 +737,8 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
   for (int d = 0; d < num_devices; ++d) {
     DeviceTimeline& device = result->devices[d];
     if (device.peak_step < 0) continue;
-    PeakSetListener peak(table, device.peak_step, d, device_of_buffer, &replay, &device);
+    PeakSetListener peak(table, device.peak_step, d, device_of_buffer, &replay,
+                         &device.live_at_peak);
     replay.Run(device.peak_step, &peak);
   }
 
@@ -682,6 +755,7 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     for (int step = 0; step < warmup + measured; ++step) {
       allocator.ResetPeak();
       listener.set_log(step == warmup + measured - 1);
+      listener.set_measuring(step >= warmup);
       replay.Run(order.size(), &listener);
       listener.EndStep();
       if (step < warmup) continue;
@@ -691,15 +765,28 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     }
     device.allocator_refused_bytes = listener.refused_bytes();
     device.allocator_refused = listener.refused();
+    device.allocator_peak_step = listener.peak_step();
+    device.allocator_refused_step = listener.refused_step();
+    if (device.allocator_refused_bytes > 0) listener.DescribeRefusal(&device);
+    // The buffers live where the allocator peaks and where it refuses.
+    for (auto [at, live] : {std::make_pair(device.allocator_peak_step, &device.live_at_allocator_peak),
+                            std::make_pair(device.allocator_refused_step, &device.live_at_refusal)}) {
+      if (at < 0) continue;
+      PeakSetListener set(table, at, d, device_of_buffer, &replay, live);
+      replay.Run(at, &set);
+    }
   }
+  auto largest_first = [&](int a, int b) {
+    if (table.buffers[a].bytes != table.buffers[b].bytes) {
+      return table.buffers[a].bytes > table.buffers[b].bytes;
+    }
+    return a < b;
+  };
   for (DeviceTimeline& timeline : result->devices) {
-    std::sort(timeline.live_at_peak.begin(), timeline.live_at_peak.end(),
-              [&](int a, int b) {
-                if (table.buffers[a].bytes != table.buffers[b].bytes) {
-                  return table.buffers[a].bytes > table.buffers[b].bytes;
-                }
-                return a < b;
-              });
+    for (std::vector<int>* live : {&timeline.live_at_peak, &timeline.live_at_allocator_peak,
+                                   &timeline.live_at_refusal}) {
+      std::sort(live->begin(), live->end(), largest_first);
+    }
   }
   return absl::OkStatus();
 }
