@@ -10,8 +10,10 @@ cap (TF's BFC CPU allocator limited to --cap-mb, or the model's own cap below):
      a trial with tfmemopt at its defaults (budget: 0.9 of the cap) until the report
      first says the budget cannot be met (report "fits" false), at most --sizes sizes.
      Every size the report says fits is a claim, and the trial runs --steps real steps.
-     A trial that dies (TF sometimes crashes instead of raising when a oneDNN kernel
-     runs out of memory) leaves no report: its size is listed, not counted as a claim.
+     A trial that dies out of memory (TF sometimes crashes instead of raising when a
+     oneDNN kernel runs out of memory) leaves no report: then tfmemopt.analyze plans
+     the same step under the same cap without running it, and what its report says
+     decides (row "analyzed"); a step it cannot analyze is listed, not counted.
 
 A claim that runs out of memory is a failure ("fits_but_oom"). With --retry the steps
 run through tfmemopt's re-plan-on-OOM wrapper (tfmemopt.function, when the installed
@@ -91,6 +93,38 @@ def make_step(size, model, retry=False):
     return measured_step, args
 
 
+def analyze_step(size, model):
+    """For a trial that died before it could return its report: what tfmemopt says
+    of the same step under the same cap, planned by tfmemopt.analyze without running
+    it. The one "step" returns (predicted peak after the plan, 1.0 if the report says
+    fits else 0.0)."""
+    import numpy as np
+    import tfmemopt
+
+    import models
+
+    step, args = models.MODELS[model](batch=size)
+    report = tfmemopt.analyze(step, *args)
+    devices = report.to_dict().get("devices", [])
+    predicted = max((d["peak_after_bytes"] for d in devices), default=0)
+
+    def say():
+        return np.float64(predicted), np.float64(1.0 if report.fits else 0.0)
+
+    return say, ()
+
+
+def _analyzed(model, size, cap_mb):
+    """(fits, predicted) for a step whose trial died, from analyze_step; (None,
+    None) when the step cannot be analyzed (a v1 Session step is no tf.function)."""
+    trial = run_trial(analyze_step, size, cap_mb=cap_mb, steps=1,
+                      step_kwargs={"model": model})
+    if trial.status != "ok" or not trial.outputs or len(trial.outputs[0]) != 2:
+        return None, None
+    predicted, fits = trial.outputs[0]
+    return bool(fits), int(predicted)
+
+
 def _retried(report):
     """Whether the trial's report says a step was re-planned after running out of
     memory (the field of tfmemopt's feedback loop, when it has one)."""
@@ -160,13 +194,23 @@ def sweep(model, cap_mb, lo, growth, max_sizes, steps, retry, log, tolerance=0.0
         # Each step's own peak (the first step also builds and optimizes the graph).
         step_peaks = [o[1] for o in trial.outputs if len(o) == 2]
         measured = max(step_peaks[1:] or step_peaks) if step_peaks else None
+        analyzed = False
+        if report is None and trial.status == "oom":
+            # The process died inside a kernel (oneDNN crashes instead of raising),
+            # before it could return the report: ask tfmemopt.analyze what the
+            # report says of the same step, so that a claim is never missed.
+            fits, predicted = _analyzed(model, size, cap_mb)
+            analyzed = fits is not None
         row = {"batch": size, "status": trial.status, "fits": fits, "predicted": predicted,
                "measured": measured, "trial_peak": trial.peak_bytes,
-               "retried": _retried(report), "error": trial.error[:300] if trial.error else ""}
+               "retried": _retried(report), "analyzed": analyzed,
+               "error": trial.error[:300] if trial.error else ""}
         if trial.status == "ok" and predicted and measured:
             row["rel_error"] = (predicted - measured) / measured
         out["trials"].append(row)
         said = {True: "fits", False: "does not fit", None: "no report (the trial died)"}[fits]
+        if analyzed:
+            said += " (tfmemopt.analyze; the trial died)"
         log(f"  batch {size}: report {said} (predicted {mib(predicted)} MiB), trial "
             f"{trial.status} (step peak {mib(measured)} MiB)")
         if trial.status not in ("ok", "oom"):
