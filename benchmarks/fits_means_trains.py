@@ -104,7 +104,20 @@ def analyze_step(size, model):
     import models
 
     step, args = models.MODELS[model](batch=size)
-    report = tfmemopt.analyze(step, *args)
+    if hasattr(step, "graph"):
+        # A v1 Session step: its graph, placed as the Session places it, fetching
+        # what the step runs.
+        from tensorflow.core.protobuf import meta_graph_pb2
+        from tfmemopt.analysis import _default_device, analyze_metagraph
+
+        metagraph = meta_graph_pb2.MetaGraphDef()
+        metagraph.graph_def.CopyFrom(step.graph.as_graph_def())
+        for node in metagraph.graph_def.node:
+            node.device = node.device or _default_device()
+        metagraph.collection_def["train_op"].node_list.value.extend(step.fetches)
+        report = analyze_metagraph(metagraph)
+    else:
+        report = tfmemopt.analyze(step, *args)
     devices = report.to_dict().get("devices", [])
     predicted = max((d["peak_after_bytes"] for d in devices), default=0)
 
@@ -116,7 +129,7 @@ def analyze_step(size, model):
 
 def _analyzed(model, size, cap_mb):
     """(fits, predicted) for a step whose trial died, from analyze_step; (None,
-    None) when the step cannot be analyzed (a v1 Session step is no tf.function)."""
+    None) when the step cannot be analyzed."""
     trial = run_trial(analyze_step, size, cap_mb=cap_mb, steps=1,
                       step_kwargs={"model": model})
     if trial.status != "ok" or not trial.outputs or len(trial.outputs[0]) != 2:

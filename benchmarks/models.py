@@ -210,6 +210,9 @@ def v1_session_cnn(batch=128, size=32, width=32):
     def step():
         return session.run([loss, train], feed)[0]
 
+    # What the step runs, for tools that plan it without running it (tfmemopt's
+    # analyze_metagraph in benchmarks/fits_means_trains.py).
+    step.graph, step.fetches = graph, [loss.name, train.name]
     return step, ()
 
 
