@@ -75,20 +75,26 @@ def make_step(size, model, retry=False):
     import models
 
     step, args = models.MODELS[model](batch=size)
+    wrapped = None
     if retry:
         import tfmemopt
 
         wrap = getattr(tfmemopt, "function", None)
         inner = getattr(step, "python_function", None)
         if wrap is not None and inner is not None:
-            step = wrap(inner)
+            step = wrapped = wrap(inner)
 
     def measured_step(*step_args):
         tf.config.experimental.reset_memory_stats("CPU:0")
         loss = step(*step_args)
         loss = float(loss.numpy() if hasattr(loss, "numpy") else loss)
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-        return np.float64(loss), np.float64(peak)
+        if not retry:
+            return np.float64(loss), np.float64(peak)
+        # With --retry, a third output: the re-plans so far (the wrapper's
+        # retries_done; 0 without a wrapper).
+        done = len(getattr(wrapped, "retries_done", None) or [])
+        return np.float64(loss), np.float64(peak), np.float64(done)
 
     return measured_step, args
 
@@ -140,7 +146,8 @@ def _analyzed(model, size, cap_mb):
 
 def _retried(report):
     """Whether the trial's report says a step was re-planned after running out of
-    memory (the field of tfmemopt's feedback loop, when it has one)."""
+    memory (a field of tfmemopt's feedback loop, if its report has one; the wrapper's
+    own count, retries_done, is read by make_step)."""
     if not report:
         return False
     for key in ("retries", "replans", "oom_retries"):
@@ -205,7 +212,8 @@ def sweep(model, cap_mb, lo, growth, max_sizes, steps, retry, log, tolerance=0.0
         predicted = max((d["peak_after_bytes"] for d in devices), default=None)
         fits = Report(report).fits if report else None
         # Each step's own peak (the first step also builds and optimizes the graph).
-        step_peaks = [o[1] for o in trial.outputs if len(o) == 2]
+        step_peaks = [o[1] for o in trial.outputs if len(o) >= 2]
+        replans = max((int(o[2]) for o in trial.outputs if len(o) >= 3), default=0)
         measured = max(step_peaks[1:] or step_peaks) if step_peaks else None
         analyzed = False
         if report is None and trial.status == "oom":
@@ -216,7 +224,7 @@ def sweep(model, cap_mb, lo, growth, max_sizes, steps, retry, log, tolerance=0.0
             analyzed = fits is not None
         row = {"batch": size, "status": trial.status, "fits": fits, "predicted": predicted,
                "measured": measured, "trial_peak": trial.peak_bytes,
-               "retried": _retried(report), "analyzed": analyzed,
+               "retried": replans > 0 or _retried(report), "analyzed": analyzed,
                "error": trial.error[:300] if trial.error else ""}
         if trial.status == "ok" and predicted and measured:
             row["rel_error"] = (predicted - measured) / measured
