@@ -584,11 +584,13 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
   for (size_t i = 0; i < topo.size(); ++i) topo_position[topo[i]] = static_cast<int>(i);
   // Data and control edges; an edge from a node that Grappler orders later is a
   // loop back edge.
-  std::vector<std::vector<int>> successors(num_nodes);
+  std::vector<std::vector<int>> successors(num_nodes), data_out(num_nodes),
+      control_out(num_nodes);
   std::vector<int> waiting(num_nodes, 0);
-  auto add_edge = [&](int from, int to) {
+  auto add_edge = [&](int from, int to, bool control) {
     if (topo_position[from] >= topo_position[to]) return;
     successors[from].push_back(to);
+    (control ? control_out : data_out)[from].push_back(to);
     ++waiting[to];
   };
   // The meta-optimizer ends by sorting the graph topologically (Grappler's
@@ -596,8 +598,8 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
   // whatever order the table's GraphDef had: node ids, out-edge lists and every tie
   // below follow that numbering.
   for (int n : topo) {
-    for (int t : table.nodes[n].inputs) add_edge(table.tensors[t].node, n);
-    for (int c : table.nodes[n].control_inputs) add_edge(c, n);
+    for (int t : table.nodes[n].inputs) add_edge(table.tensors[t].node, n, false);
+    for (int c : table.nodes[n].control_inputs) add_edge(c, n, true);
   }
   // Distance (in edges) to the nearest variable update.
   std::vector<int> to_update(num_nodes, num_nodes);
@@ -666,16 +668,23 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
       inline_ready.pop_front();
       order->push_back(n);
       ready_expensive.clear();
-      for (int s : successors[n]) {
-        if (--waiting[s] != 0) continue;
+      auto activate = [&](int s) {
+        if (--waiting[s] != 0) return;
         if (expensive[s]) {
           ready_expensive.push_back(s);
         } else {
           inline_ready.push_back(s);
         }
-      }
-      if (ready_expensive.empty()) continue;
+      };
+      // Successors made ready by data edges, ranked; then those made ready by
+      // control edges, which TF's executor activates after the data edges
+      // (ActivateNodes), so the last of them is the one it runs inline: a recompute
+      // or swap-in that tfmemopt triggers by a control edge runs right after its
+      // trigger.
+      for (int s : data_out[n]) activate(s);
       std::sort(ready_expensive.begin(), ready_expensive.end(), inline_last);
+      for (int s : control_out[n]) activate(s);
+      if (ready_expensive.empty()) continue;
       if (inline_ready.empty()) {
         inline_ready.push_back(ready_expensive.back());
         ready_expensive.pop_back();
