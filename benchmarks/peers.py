@@ -637,9 +637,16 @@ def run_model(model, s, names, steps, rounds, log):
     levels = [n[len("grappler_"):] for n in names if n.startswith("grappler_")]
     same = {}
     if levels:
-        groups = graph_groups(model, _compared_batches(s), levels)
+        try:
+            groups = graph_groups(model, _compared_batches(s), levels)
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            groups = {"repeatable": False, "error": str(err)[-1500:]}
+            out["notes"].append(f"Grappler's graphs not compared ({str(err)[:200]}): "
+                                f"every level searched")
         out["grappler_graphs"] = groups
-        if groups["repeatable"]:
+        if "error" in groups:
+            pass
+        elif groups["repeatable"]:
             same = level_groups(groups, levels)
         else:
             out["notes"].append("Grappler's output for plain TF differed between two runs: "
@@ -794,7 +801,12 @@ def main():
                          f"batch_step={s['batch_step']} with lo <= hi")
         log(f"{model}: cap {s['cap_mb']} MiB, batches {s['lo']}..{s['hi']} "
             f"(multiples of {s['batch_step']}), {settings['steps']} steps per trial")
-        run, rows = run_model(model, s, names, settings["steps"], settings["rounds"], log)
+        try:
+            run, rows = run_model(model, s, names, settings["steps"], settings["rounds"], log)
+        except Exception as err:  # one model's failure does not lose the others'
+            log(f"  {model}: the run failed: {type(err).__name__}: {err}")
+            run = {**s, "notes": [f"the run failed: {type(err).__name__}: {str(err)[:500]}"]}
+            rows = {}
         results["runs"][model], results["models"][model] = run, rows
         if args.json:
             # What is measured so far, should a long run be stopped: a line that is not
