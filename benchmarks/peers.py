@@ -109,14 +109,14 @@ SHORT = {BASELINE: "plain TF", "recompute_grad": "tf.recompute_grad", "tfmemopt"
 # TF's largest batch sits well inside the range and tfmemopt's (up to ~3x) too, with
 # trials of a few seconds each on a loaded 2-core machine.
 MODEL_SETTINGS = {
-    "mlp": dict(cap_mb=96, lo=512, hi=4096, batch_step=256),
-    "lstm": dict(cap_mb=128, lo=128, hi=2048, batch_step=128),
-    "seed_cnn": dict(cap_mb=256, lo=64, hi=1024, batch_step=32),
-    "cifar_resnet10": dict(cap_mb=256, lo=32, hi=256, batch_step=16),
+    "mlp": dict(cap_mb=96, lo=1024, hi=4096, batch_step=512),
+    "lstm": dict(cap_mb=128, lo=256, hi=2048, batch_step=256),
+    "seed_cnn": dict(cap_mb=256, lo=64, hi=1024, batch_step=64),
+    "cifar_resnet10": dict(cap_mb=256, lo=32, hi=256, batch_step=32),
     "resnet50_64px": dict(cap_mb=1024, lo=8, hi=256, batch_step=4),
 }
 DEFAULT_MODELS = ("mlp", "lstm", "seed_cnn", "cifar_resnet10")
-DEFAULTS = dict(models=list(DEFAULT_MODELS), peers=list(CONFIGS), steps=2, rounds=8)
+DEFAULTS = dict(models=list(DEFAULT_MODELS), peers=list(CONFIGS), steps=2, rounds=6)
 # --quick: the MLP under 96 MiB, four configurations (plain TF, one Grappler level,
 # one RematScope mode that raises, tfmemopt), two or three trials each on multiples of
 # 512, for tests. (Its limit, near 2304..2560, moves from run to run for both plain TF
@@ -757,6 +757,42 @@ def table(results):
     return "\n".join(lines)
 
 
+def _run_in_processes(args, settings, log):
+    """--jobs: each model in a peers.py process of its own, args.jobs at a time; their
+    lines are logged prefixed with the model. {model: (run, rows)} in settings' order."""
+    import concurrent.futures
+
+    def child(model):
+        argv = [sys.executable, os.path.abspath(__file__), "--models", model, "--json",
+                "--peers", *settings["peers"], "--steps", str(settings["steps"]),
+                "--rounds", str(settings["rounds"])]
+        argv += [a for key in ("cap_mb", "lo", "hi", "batch_step")
+                 if getattr(args, key) is not None
+                 for a in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+        if args.quick:
+            argv.append("--quick")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
+        last = None
+        for line in proc.stdout:
+            if line.startswith("{"):
+                last = line
+            elif not line.startswith("partial "):
+                log(f"[{model}] {line.rstrip()}")
+        proc.wait()
+        try:
+            data = json.loads(last)
+            return data["runs"][model], data["models"][model]
+        except (TypeError, ValueError, KeyError) as err:
+            return ({**MODEL_SETTINGS[model], "notes": [
+                f"the run failed: its process exited {proc.returncode} without its JSON "
+                f"({type(err).__name__})"]}, {})
+
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        done = dict(zip(settings["models"], pool.map(child, settings["models"])))
+    return done
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODEL_SETTINGS),
@@ -773,6 +809,9 @@ def main():
                         help="print the results as one JSON line, last")
     parser.add_argument("--quick", action="store_true",
                         help=f"a small configuration for tests: {QUICK}")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="models run at the same time, each in a peers.py process of "
+                             "its own (timing stays interleaved within a model)")
     parser.add_argument("--save", action="store_true",
                         help="write docs/results/peers.json (benchmarks/results.py)")
     args = parser.parse_args()
@@ -799,6 +838,12 @@ def main():
         if s["lo"] % s["batch_step"] or s["hi"] % s["batch_step"] or s["lo"] > s["hi"]:
             parser.error(f"{model}: lo={s['lo']} and hi={s['hi']} must be multiples of "
                          f"batch_step={s['batch_step']} with lo <= hi")
+    if args.jobs > 1 and len(settings["models"]) > 1:
+        for model, (run, rows) in _run_in_processes(args, settings, log).items():
+            results["runs"][model], results["models"][model] = run, rows
+        settings["models"] = []
+    for model in settings["models"]:
+        s = {**MODEL_SETTINGS[model], **overrides}
         log(f"{model}: cap {s['cap_mb']} MiB, batches {s['lo']}..{s['hi']} "
             f"(multiples of {s['batch_step']}), {settings['steps']} steps per trial")
         try:
