@@ -708,6 +708,8 @@ def _with_notes(rows):
     """Each row's "note": one line saying what the row is when it is not a plain
     measurement (an error, a copied row, a search that did not bracket the limit)."""
     for row in rows.values():
+        for key in ("max_batch", "step_s", "step_ratio", "loss_equal"):
+            row.setdefault(key, None)  # not measured
         if row["status"] == "error":
             note = f"raises: {row.get('error', '')}"
         elif row["status"] == "same_graph_as":
