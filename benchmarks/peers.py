@@ -18,6 +18,10 @@ For each model (benchmarks/models.py) and each configuration below, in one run:
               the next; if it is not, every configuration's losses are taken again with
               one inter-op thread (loss_inter_op in the JSON says which). None when a
               configuration's losses could not be taken (its note says why).
+              At the timed batch tfmemopt may leave the graph alone (it fits), so a
+              configuration whose max_batch is above plain TF's also has
+              loss_equal_at_max_batch: its losses at its own max_batch under the cap
+              against plain TF's at that batch without a cap.
 
 Configurations ("peers"):
   plain_tf              TF as installed: Grappler's default memory_optimization
@@ -541,14 +545,15 @@ def time_peers(model, names, batch, s, rounds, log):
             worker.close()
 
 
-def loss_trials(model, names, batch, s, inter_op, log):
+def loss_trials(model, names, batch, s, inter_op, log, capped=True):
     """The first LOSS_STEPS losses of each configuration in its own interpreter, with
-    `inter_op` inter-op threads; {name: (losses, status, whether tfmemopt changed the
-    graph)}."""
+    `inter_op` inter-op threads, under the cap (or none: capped=False); {name: (losses,
+    status, whether tfmemopt changed the graph)}."""
     out = {}
     for name in names:
         config = trial_config(name)
-        trial = maxbatch.run_trial(make_step, batch // s["batch_step"], cap_mb=s["cap_mb"],
+        trial = maxbatch.run_trial(make_step, batch // s["batch_step"],
+                                   cap_mb=s["cap_mb"] if capped else None,
                                    steps=LOSS_STEPS, use_tfmemopt=config["fields"] is not None,
                                    memory_optimization=config["memory_optimization"],
                                    step_kwargs=_kwargs(model, name, s["batch_step"], inter_op),
@@ -556,7 +561,7 @@ def loss_trials(model, names, batch, s, inter_op, log):
         out[name] = ([v[0] for v in trial.outputs], trial.status,
                      (trial.report or {}).get("graph_changed"))
     threads = f"{inter_op} inter-op thread(s)" if inter_op else "TF's default inter-op threads"
-    log(f"  losses with {threads} at batch {batch}: "
+    log(f"  losses with {threads} at batch {batch}{'' if capped else ' without a cap'}: "
         + ", ".join(f"{n} {st}" for n, (_, st, _) in out.items()))
     return out
 
@@ -698,10 +703,36 @@ def run_model(model, s, names, steps, rounds, log):
         if name == "tfmemopt":
             rows[name]["graph_changed_at_timed_batch"] = t["graph_changed"]
             rows[name]["graph_changed_at_loss_batch"] = changed
+    losses_beyond_plain(model, timed, rows, out, s, log)
     for name, same_as in same.items():
         rows[name].update({k: rows[same_as].get(k) for k in ("step_s", "step_ratio",
                                                               "loss_equal")})
     return out, _with_notes(rows)
+
+
+def losses_beyond_plain(model, timed, rows, out, s, log):
+    """loss_equal_at_max_batch: at the timed batch every configuration fits, so tfmemopt
+    may leave the graph alone there (graph_changed_at_loss_batch). At a configuration's
+    own max_batch, where plain TF runs out of memory under the cap, its first LOSS_STEPS
+    losses under the cap are compared with plain TF's at that batch without a cap (the
+    cap changes where memory comes from, not what is computed)."""
+    plain_max = rows[BASELINE]["max_batch"]
+    for name in timed:
+        batch = rows[name]["max_batch"]
+        if name == BASELINE or not batch or batch <= plain_max:
+            continue
+        inter_op = out.get("loss_inter_op") or 0
+        got, status, changed = loss_trials(model, [name], batch, s, inter_op, log)[name]
+        ref, ref_status, _ = loss_trials(model, [BASELINE], batch, s, inter_op, log,
+                                         capped=False)[BASELINE]
+        ok = status == "ok" and ref_status == "ok"
+        rows[name].update(loss_equal_at_max_batch=(got == ref) if ok else None,
+                          losses_at_max_batch=got, plain_uncapped_losses_at_max_batch=ref,
+                          graph_changed_at_max_batch=changed)
+        if not ok:
+            rows[name].setdefault("notes", []).append(
+                f"losses at max_batch {batch} not compared: {name} {status}, "
+                f"plain TF without a cap {ref_status}")
 
 
 def _with_notes(rows):
