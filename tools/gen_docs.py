@@ -177,45 +177,71 @@ def optimality(record):
     return table(keys, [[num(r.get(k)) for k in keys]])
 
 
+_PEER_NAMES = {"plain_tf": "plain TF", "recompute_grad": "tf.recompute_grad",
+               "tfmemopt": "tfmemopt"}
+
+
+def _peer_name(name):
+    if name in _PEER_NAMES:
+        return _PEER_NAMES[name]
+    if name.startswith("grappler_"):
+        return "Grappler " + name[len("grappler_"):]
+    if name.startswith("keras_remat_"):
+        return "RematScope " + name[len("keras_remat_"):]
+    return name
+
+
+def _peer_batch(c, run):
+    """A configuration's largest batch; "≥ N" when the top of the search trained."""
+    value = c.get("max_batch")
+    if value is None:
+        return "raises" if c.get("status") == "error" else "—"
+    top = c.get("min_failing_batch") is None and value == run.get("hi")
+    return f"≥ {value}" if top else str(value)
+
+
 def peers(record):
     r = record["result"]
-    models = r.get("models", {})
-    configs = []
-    for per_config in models.values():
-        for name in per_config:
-            if name not in configs:
-                configs.append(name)
-    rows = []
-    for model, per_config in models.items():
-        for name in configs:
-            c = per_config.get(name)
-            if c is None:
-                continue
-            step = c.get("step_s")
-            rows.append([model, name, num(c.get("max_batch")),
-                         f"{step:.3f} s" if isinstance(step, (int, float)) else num(step),
-                         {True: "yes", False: "NO", None: "—"}.get(c.get("loss_equal"), "—"),
-                         c.get("note") or c.get("error") or ""])
-    return table(["model", "configuration", "largest batch", "step time", "losses bitwise equal",
-                  "note"], rows)
+    lines = []
+    for model, per_config in r.get("models", {}).items():
+        run = r.get("runs", {}).get(model, {})
+        lines += [f"**{model}**: cap {num(run.get('cap_mb'))} MiB, batches "
+                  f"{num(run.get('lo'))}..{num(run.get('hi'))} in steps of "
+                  f"{num(run.get('batch_step'))}; step time at batch "
+                  f"{num(run.get('timed_batch'))}, losses at batch {num(run.get('loss_batch'))}.", ""]
+        rows = []
+        for name, c in per_config.items():
+            ratio = c.get("step_ratio")
+            rows.append([_peer_name(name), _peer_batch(c, run),
+                         f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else "—",
+                         {True: "yes", False: "NO"}.get(c.get("loss_equal"), "—"),
+                         (c.get("note") or c.get("error") or c.get("reason") or "")
+                         .replace("|", "/").splitlines()[0][:160] if (c.get("note") or c.get("error") or c.get("reason")) else ""])
+        lines += table(["configuration", "largest batch", "step time vs plain TF",
+                        "losses bitwise equal", "note"], rows) + [""]
+    return lines[:-1]
 
 
 def peers_summary(record):
-    """README: per model, plain TF, tfmemopt and the best Keras remat mode."""
+    """README: per model, plain TF, tfmemopt, tf.recompute_grad and the best RematScope."""
     r = record["result"]
     rows = []
     for model, per_config in r.get("models", {}).items():
+        run = r.get("runs", {}).get(model, {})
         plain = per_config.get("plain_tf", {})
         mine = per_config.get("tfmemopt", {})
         remat = [(c.get("max_batch") or 0, name) for name, c in per_config.items()
                  if name.startswith("keras_remat") and c.get("max_batch")]
-        best = max(remat) if remat else (None, None)
-        step = (mine.get("step_s") / plain["step_s"] - 1
-                if mine.get("step_s") and plain.get("step_s") else None)
-        rows.append([model, num(plain.get("max_batch")), num(mine.get("max_batch")),
-                     f"{best[0]} ({best[1]})" if best[1] else "—", pct(step)])
-    return table(["model", "plain TF", "tfmemopt", "Keras remat (best mode)",
-                  "tfmemopt step time vs plain TF"], rows)
+        best = max(remat) if remat else None
+        best_text = (f"{best[0]} ({_peer_name(best[1])[len('RematScope '):]})" if best
+                     else "every mode raises")
+        ratio = mine.get("step_ratio")
+        rows.append([f"{model} ({num(run.get('cap_mb'))} MiB)", _peer_batch(plain, run),
+                     _peer_batch(mine, run),
+                     _peer_batch(per_config.get("recompute_grad", {}), run), best_text,
+                     pct(ratio - 1) if isinstance(ratio, (int, float)) else "—"])
+    return table(["model (cap)", "plain TF", "tfmemopt", "tf.recompute_grad",
+                  "Keras RematScope (best mode)", "tfmemopt step time vs plain TF"], rows)
 
 
 RENDERERS = {
