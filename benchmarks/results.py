@@ -93,12 +93,19 @@ def _last_json(text):
     return None
 
 
+def _path(args):
+    return os.path.join(RESULTS, f"{args.file_name}.json") if args.file_name else None
+
+
 def main():
     import argparse
 
     parser = argparse.ArgumentParser(description="Record a benchmark's result file.")
     sub = parser.add_subparsers(dest="verb", required=True)
     run = sub.add_parser("run", help="run benchmarks/NAME.py ARGS --json and record it")
+    run.add_argument("--as", dest="file_name", metavar="FILE_NAME",
+                     help="record docs/results/FILE_NAME.json instead of NAME.json (one "
+                          "benchmark, several settings)")
     run.add_argument("name")
     run.add_argument("args", nargs=argparse.REMAINDER)
     imp = sub.add_parser("import", help="record the last JSON line of a kept log")
@@ -106,6 +113,8 @@ def main():
     imp.add_argument("log")
     imp.add_argument("--command", required=True)
     imp.add_argument("--commit", required=True)
+    imp.add_argument("--as", dest="file_name", metavar="FILE_NAME",
+                     help="record docs/results/FILE_NAME.json instead of NAME.json")
     args = parser.parse_args()
     if args.verb == "run":
         argv = list(args.args)
@@ -121,14 +130,14 @@ def main():
             print(f"results: {args.name} exited {proc.returncode} without a JSON result; "
                   "nothing recorded", file=sys.stderr)
             return 1
-        print("results: wrote", save(args.name, result, argv))
+        print("results: wrote", save(args.name, result, argv, path=_path(args)))
         return 0
     with open(args.log) as f:
         result = _last_json(f.read())
     if result is None:
         print(f"results: {args.log} has no JSON line", file=sys.stderr)
         return 1
-    path = save(args.name, result)
+    path = save(args.name, result, path=_path(args))
     with open(path) as f:
         record = json.load(f)
     record["command"], record["commit"] = args.command, args.commit

@@ -86,20 +86,27 @@ def v1_graphs(record):
                   "planned: measured", "recomputed / swapped", "losses bitwise equal"], rows)
 
 
+def _accuracy_row(name, m):
+    u, p = m.get("unplanned", {}), m.get("planned", {})
+    return [name, mib(u.get("predicted")), mib(u.get("measured")), pct(u.get("error")),
+            mib(p.get("budget")) if p else "—", mib(p.get("predicted")),
+            mib(p.get("measured")), pct(p.get("error"))]
+
+
 def peak_accuracy(record):
+    """Per model: unplanned and planned (budget 0.6x) predicted against measured peak;
+    models reported apart (unpredictable with TF's default threads) with both settings."""
     r = record["result"]
-    rows = []
-    for name, m in r["models"].items():
-        row = [name, mib(m.get("predicted")), mib(m.get("measured")), pct(m.get("error"))]
-        if "planned_predicted" in m:
-            row += [mib(m.get("planned_predicted")), mib(m.get("planned_measured")),
-                    pct(m.get("planned_error"))]
-        rows.append(row)
-    header = ["model", "predicted", "measured", "error"]
-    if any(len(row) > 4 for row in rows):
-        header += ["planned: predicted", "measured", "error"]
-        rows = [row + ["—"] * (7 - len(row)) for row in rows]
-    return table(header, rows) + ["", f"Largest error: {pct(r.get('max_abs_error'), False)}."]
+    rows = [_accuracy_row(name, m) for name, m in r["models"].items()]
+    for name, settings in r.get("apart", {}).items():
+        for setting, m in settings.items():
+            rows.append(_accuracy_row(f"{name} ({setting.replace('_', ' ')})", m))
+    header = ["model", "predicted", "measured", "error", "planned: budget", "predicted",
+              "measured", "error"]
+    return table(header, rows) + [
+        "", f"Largest error with TF's default threads: unplanned "
+            f"{pct(r.get('max_abs_error_unplanned'), False)}, planned "
+            f"{pct(r.get('max_abs_error_planned'), False)}."]
 
 
 def max_batch(key_base, key_swap, key_auto, what):
@@ -244,6 +251,48 @@ def peers_summary(record):
                   "Keras RematScope (best mode)", "tfmemopt step time vs plain TF"], rows)
 
 
+def recurrent(record):
+    """benchmarks/recurrent.py: the largest batch of a recurrent model under a cap."""
+    r = record["result"]
+    s = r.get("settings", {})
+    base, mine = r.get("max_batch_baseline"), r.get("max_batch_tfmemopt")
+    hi = s.get("hi")
+    rows = [["without tfmemopt", _at_least(base, hi), "1.00x", "—"],
+            ["tfmemopt", _at_least(mine, hi),
+             f"{mine / base:.2f}x" if base and mine else "—",
+             pct(r.get("overhead_at_baseline_max"))]]
+    equal = {True: "bitwise equal", False: "DIFFERENT"}.get(r.get("equal"), "not compared")
+    return table(["configuration", "largest batch", "vs without",
+                  f"step time at batch {num(r.get('timed_at'))}"], rows) + [
+        "", f"{s.get('model')}: {s.get('steps')} steps, {s.get('units')} units, "
+            f"{s.get('features')} features, cap {num(s.get('cap_mb'))} MiB; a batch trains "
+            f"when {num(s.get('repeats'))} fresh processes train it. Losses and weights "
+            f"after {num(s.get('check_steps'))} steps at batch {num(s.get('check_batch'))}: "
+            f"{equal}."]
+
+
+def fits_means_trains(record):
+    """Per model: the unplanned limit, the sizes the report said fit, how many of them
+    ran out of memory; then the failures."""
+    r = record["result"]
+    rows = []
+    for model, m in r.get("per_model", {}).items():
+        claims = m.get("claims", [])
+        failed = [f["batch"] for f in r.get("failures", []) if f["model"] == model]
+        rows.append([model, num(m.get("cap_mb")), num(m.get("unplanned_limit")),
+                     ", ".join(str(c.get("batch", c) if isinstance(c, dict) else c)
+                               for c in claims) or "none",
+                     ", ".join(map(str, failed)) or "—"])
+    lines = table(["model", "cap (MiB)", "largest batch without tfmemopt",
+                   "batches the report said fit", "of which ran out of memory"], rows)
+    lines += ["", f"{num(r.get('claims'))} claims on {num(r.get('models_swept'))} models, "
+                  f"{num(r.get('fits_but_oom'))} ran out of memory; retries "
+                  f"{'on' if r.get('retry') else 'off'} (trained after a re-plan: "
+                  f"{num(r.get('trained_after_retry'))}); largest |error| of a claim that "
+                  f"trained: {pct(r.get('max_abs_error'), False)}."]
+    return lines
+
+
 RENDERERS = {
     ("plan_time", None): plan_time,
     ("v1_graphs", None): v1_graphs,
@@ -254,7 +303,10 @@ RENDERERS = {
                                      "max_depth_auto", "depth"),
     ("seed000", None): seed000,
     ("unet_split", None): unet_split,
+    ("recurrent_stacked_gru", None): recurrent,
+    ("recurrent_stacked_lstm", None): recurrent,
     ("stress", None): stress,
+    ("fits_means_trains", None): fits_means_trains,
     ("optimality", None): optimality,
     ("peers", None): peers,
     ("peers", "summary"): peers_summary,
