@@ -107,3 +107,4 @@ RECURRENT_MODELS = {
     "stacked_lstm": stacked_lstm,
     "stacked_gru": stacked_gru,
 }
+MODELS.update(RECURRENT_MODELS)  # peak_accuracy.py measures them too
