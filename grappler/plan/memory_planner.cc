@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grappler/plan/loop_candidates.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/grappler/op_types.h"
 #include "tensorflow/core/platform/logging.h"
@@ -147,6 +148,7 @@ double Overshoot(const SimulationResult& simulation, const std::vector<int64_t>&
 struct Choice {
   std::vector<int> recompute;  // base node indices
   std::vector<int> swap;       // base tensor indices
+  std::vector<int> loop_swap;  // TensorTable::loops.lists indices (plan/loop_candidates.h)
   bool early_triggers = false;  // RecomputeInPlace's; Evaluate picks the better
 };
 
@@ -226,10 +228,15 @@ class Planner {
                                            &applied_recompute_, &recompute_edit_,
                                            choice.early_triggers);
     if (!status.ok()) return status;
-    return SwapInPlace(&work_, applied_recompute_.order, flow_, choice.swap, SwapOptionsFor(),
-                       &applied_swap_, &swap_edit_);
+    status = SwapInPlace(&work_, applied_recompute_.order, flow_, choice.swap, SwapOptionsFor(),
+                         &applied_swap_, &swap_edit_);
+    if (!status.ok()) return status;
+    return LoopSwapInPlace(&work_, applied_swap_.order, choice.loop_swap,
+                           SwapOptionsFor().bandwidth_bytes_per_sec, &applied_loop_swap_,
+                           &loop_swap_edit_);
   }
   void Unapply() {
+    loop_swap_edit_.Undo(&work_);
     swap_edit_.Undo(&work_);
     recompute_edit_.Undo(&work_);
   }
@@ -265,7 +272,7 @@ class Planner {
 
   absl::Status EvaluateAs(Choice choice, Evaluated* out) {
     const auto start = std::chrono::steady_clock::now();
-    for (std::vector<int>* v : {&choice.recompute, &choice.swap}) {
+    for (std::vector<int>* v : {&choice.recompute, &choice.swap, &choice.loop_swap}) {
       std::sort(v->begin(), v->end());
       v->erase(std::unique(v->begin(), v->end()), v->end());
     }
@@ -297,10 +304,11 @@ class Planner {
     out->overshoot = Overshoot(out->simulation, options_.budget_bytes);
     out->seconds = applied_recompute_.added_seconds;
     for (int t : out->swapped) out->seconds += SwapSeconds(t);
+    out->seconds += applied_loop_swap_.copy_seconds * LoopCopyExposure();
     return absl::OkStatus();
   }
 
-  enum class Kind { kRecompute, kSwap };
+  enum class Kind { kRecompute, kSwap, kLoopSwap };
   // Choices that the final cleanup may take back, one group at a time.
   struct Group {
     Kind kind;
@@ -372,6 +380,11 @@ class Planner {
   }
 
  private:
+  // One exposure for a plan's loop copies: the first device's (loops run where
+  // their lists are).
+  double LoopCopyExposure() const {
+    return CopyExposure(table_.devices.empty() ? std::string() : table_.devices.front());
+  }
   double SwapSeconds(int tensor) const {
     const TensorInfo& t = table_.tensors[tensor];
     const std::string& device = table_.nodes[t.node].device;
@@ -393,7 +406,8 @@ class Planner {
   TensorTable work_;
   RecomputeRewrite applied_recompute_;
   SwapRewrite applied_swap_;
-  TableEdit recompute_edit_, swap_edit_;
+  LoopSwapRewrite applied_loop_swap_;
+  TableEdit recompute_edit_, swap_edit_, loop_swap_edit_;
 
  public:
   double rewrite_seconds_ = 0, simulate_seconds_ = 0;
@@ -427,6 +441,21 @@ absl::Status Planner::Candidates(const Evaluated& state, bool recompute,
   const int base_nodes = static_cast<int>(table_.nodes.size());
   const int base_buffers = static_cast<int>(table_.buffers.size());
 
+  if (options_.enable_swap) {
+    // The loops' accumulators (plan/loop_candidates.h).
+    for (const LoopSwapCandidate& c :
+         LoopSwapCandidates(table_, timeline.live_at_peak, state.choice.loop_swap,
+                            options_.min_tensor_bytes, SwapOptionsFor().bandwidth_bytes_per_sec,
+                            LoopCopyExposure())) {
+      Candidate swap;
+      swap.kind = Kind::kLoopSwap;
+      swap.owner = table_.loops.lists[c.list].enter;
+      swap.tensors = {c.list};
+      swap.gain = c.gain;
+      swap.seconds = c.seconds;
+      out->push_back(std::move(swap));
+    }
+  }
   std::vector<bool> in_closure(table_.nodes.size(), false);
   for (int b : timeline.live_at_peak) {
     if (b >= base_buffers || table_.buffers[b].persistent) continue;
@@ -534,7 +563,9 @@ absl::Status Planner::Descend(const Choice& fixed, std::vector<Group> groups, bo
     Choice choice = fixed;
     for (size_t g = 0; g < groups.size(); ++g) {
       if (dropped != nullptr && (*dropped)[g]) continue;
-      std::vector<int>& into = groups[g].kind == Kind::kSwap ? choice.swap : choice.recompute;
+      std::vector<int>& into = groups[g].kind == Kind::kSwap       ? choice.swap
+                               : groups[g].kind == Kind::kLoopSwap ? choice.loop_swap
+                                                                   : choice.recompute;
       into.insert(into.end(), groups[g].items.begin(), groups[g].items.end());
     }
     return choice;
@@ -549,13 +580,15 @@ absl::Status Planner::Descend(const Choice& fixed, std::vector<Group> groups, bo
   };
   auto with = [](const Choice& base, const Candidate& c) {
     Choice next = base;
-    std::vector<int>& into = c.kind == Kind::kSwap ? next.swap : next.recompute;
-    const std::vector<int>& items = c.kind == Kind::kSwap ? c.tensors : c.nodes;
+    std::vector<int>& into = c.kind == Kind::kSwap       ? next.swap
+                             : c.kind == Kind::kLoopSwap ? next.loop_swap
+                                                         : next.recompute;
+    const std::vector<int>& items = c.kind == Kind::kRecompute ? c.nodes : c.tensors;
     into.insert(into.end(), items.begin(), items.end());
     return next;
   };
   auto group_of = [](const Candidate& c) {
-    return Group{c.kind, c.kind == Kind::kSwap ? c.tensors : c.nodes, c.seconds};
+    return Group{c.kind, c.kind == Kind::kRecompute ? c.nodes : c.tensors, c.seconds};
   };
   while (plan_->simulations < options_.max_simulations) {
     if (state.excess <= 0) {
@@ -1004,7 +1037,8 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
       if (exact.excess <= 0) best = std::move(exact);
     }
     if (status.ok() && best.excess > 0 &&
-        (!best.choice.recompute.empty() || !best.choice.swap.empty())) {
+        (!best.choice.recompute.empty() || !best.choice.swap.empty() ||
+         !best.choice.loop_swap.empty())) {
       // Out of reach: the best plan is applied only if it lowers some device's
       // peak; added compute or copies for the same peak help nobody.
       Evaluated none;
@@ -1052,8 +1086,14 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   status = BuildSwapRewrite(std::move(rewrite->recompute.table), rewrite->recompute.order, flow,
                             best.choice.swap, planner.SwapOptionsFor(), &rewrite->swap);
   if (!status.ok()) return status;
+  status = BuildLoopSwapRewrite(std::move(rewrite->swap.table), rewrite->swap.order,
+                                best.choice.loop_swap,
+                                planner.SwapOptionsFor().bandwidth_bytes_per_sec,
+                                &rewrite->loop_swap);
+  if (!status.ok()) return status;
   plan->recompute_nodes = rewrite->recompute.cloned;
   plan->swap_tensors = rewrite->swap.swapped;
+  plan->loop_swap_lists = rewrite->loop_swap.swapped;
   plan->feasible = best.excess <= 0;
   plan->added_seconds = best.seconds;
   for (const DeviceTimeline& timeline : best.simulation.devices) {
@@ -1066,7 +1106,9 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
 absl::Status ApplyPlannedRewrite(const PlannedRewrite& rewrite, tensorflow::GraphDef* graph) {
   absl::Status status = ApplyRecomputeRewrite(rewrite.recompute, graph);
   if (!status.ok()) return status;
-  return ApplySwapRewrite(rewrite.swap, graph);
+  status = ApplySwapRewrite(rewrite.swap, graph);
+  if (!status.ok()) return status;
+  return ApplyLoopSwapRewrite(rewrite.loop_swap, graph);
 }
 
 }  // namespace tfmemopt

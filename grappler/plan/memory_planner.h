@@ -49,6 +49,7 @@
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/memory_optimizer_options.h"
 #include "grappler/rewrite/lms_swap_optimizer.h"
+#include "grappler/rewrite/loop_swap.h"
 #include "grappler/rewrite/recompute_pass.h"
 #include "grappler/simulate/liveness_simulator.h"
 #include "tensorflow/core/framework/graph.pb.h"
@@ -91,6 +92,7 @@ struct MemoryPlannerOptions {
 struct MemoryPlan {
   std::vector<int> recompute_nodes;  // base node indices that got a clone
   std::vector<int> swap_tensors;     // base tensor indices that are swapped
+  std::vector<int> loop_swap_lists;  // TensorTable::loops.lists indices that are swapped
   // Per device, the simulated peak of the chosen plan (see PredictedPeak); when the
   // budget cannot be met, the lowest peak found.
   std::vector<int64_t> peak_bytes;
@@ -109,13 +111,14 @@ struct MemoryPlan {
   std::string note;  // why a SQRT or MANUAL plan was not applied, if it was not
 };
 
-// A plan applied: recomputation first, swapping on top of it (the swap rewrite
-// takes over the recompute rewrite's table).
+// A plan applied: recomputation first, swapping on top of it, then the loops'
+// accumulators (each rewrite takes over the previous one's table).
 struct PlannedRewrite {
   RecomputeRewrite recompute;
   SwapRewrite swap;
-  const TensorTable& table() const { return swap.table; }
-  const std::vector<int>& order() const { return swap.order; }
+  LoopSwapRewrite loop_swap;
+  const TensorTable& table() const { return loop_swap.table; }
+  const std::vector<int>& order() const { return loop_swap.order; }
 };
 
 // Peak of a device as the report states it: the allocator's where modelled (it
