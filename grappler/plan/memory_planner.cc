@@ -12,7 +12,7 @@ namespace tfmemopt {
 namespace {
 
 // The planner's mechanisms, in the order they apply.
-enum MechanismIndex { kRecompute = 0, kSwap = 1 };
+enum MechanismIndex { kRecompute = 0, kSwap = 1, kLoopSwap = 2 };
 
 }  // namespace
 
@@ -27,7 +27,8 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   const PlanContext context(table, order, flow, options);
   RecomputeChoice recompute(context, plan);
   SwapChoice swap(context);
-  Planner planner(context, {&recompute, &swap}, plan);
+  LoopSwapChoice loop_swap(context);
+  Planner planner(context, {&recompute, &swap, &loop_swap}, plan);
   Choice fixed = planner.EmptyChoice();
   absl::Status status;
   if (options.enable_recompute && options.policy == RecomputePolicy::kSqrt) {
@@ -106,7 +107,8 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
       if (exact.excess <= 0) best = std::move(exact);
     }
     if (status.ok() && best.excess > 0 &&
-        (!best.choice.items[kRecompute].empty() || !best.choice.items[kSwap].empty())) {
+        (!best.choice.items[kRecompute].empty() || !best.choice.items[kSwap].empty() ||
+         !best.choice.items[kLoopSwap].empty())) {
       // Out of reach: the best plan is applied only if it lowers some device's
       // peak; added compute or copies for the same peak help nobody.
       Evaluated none;
@@ -155,8 +157,13 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   status = BuildSwapRewrite(std::move(rewrite->recompute.table), rewrite->recompute.order, flow,
                             best.choice.items[kSwap], swap.options(), &rewrite->swap);
   if (!status.ok()) return status;
+  status = BuildLoopSwapRewrite(std::move(rewrite->swap.table), rewrite->swap.order,
+                                best.choice.items[kLoopSwap], loop_swap.bandwidth(),
+                                &rewrite->loop_swap);
+  if (!status.ok()) return status;
   plan->recompute_nodes = rewrite->recompute.cloned;
   plan->swap_tensors = rewrite->swap.swapped;
+  plan->loop_swap_lists = rewrite->loop_swap.swapped;
   plan->feasible = best.excess <= 0;
   plan->added_seconds = best.seconds;
   for (const DeviceTimeline& timeline : best.simulation.devices) {
@@ -169,7 +176,9 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
 absl::Status ApplyPlannedRewrite(const PlannedRewrite& rewrite, tensorflow::GraphDef* graph) {
   absl::Status status = ApplyRecomputeRewrite(rewrite.recompute, graph);
   if (!status.ok()) return status;
-  return ApplySwapRewrite(rewrite.swap, graph);
+  status = ApplySwapRewrite(rewrite.swap, graph);
+  if (!status.ok()) return status;
+  return ApplyLoopSwapRewrite(rewrite.loop_swap, graph);
 }
 
 }  // namespace tfmemopt
