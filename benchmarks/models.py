@@ -107,12 +107,169 @@ def unet(batch=8, size=128, width=16, depth=3, seed=0):
     return _train_step(model, loss), (x, y)
 
 
+# ---------------------------------------------------------------------------
+# Architecture families (issue 15): each stresses kernels the models above do not.
+
+
+def transformer_encoder(batch=16, seq=128, d_model=256, heads=8, key_dim=32, ff=1024,
+                        blocks=4, features=64):
+    """A Transformer encoder: `blocks` pre-norm blocks of Keras MultiHeadAttention
+    (softmax over seq x seq scores) and a GELU feed-forward, with LayerNorm, on a
+    float sequence projected to d_model; mean pooling, dense 10. The issue's shapes."""
+    layers = tf.keras.layers
+    inputs = tf.keras.Input((seq, features))
+    h = layers.Dense(d_model)(inputs)
+    for _ in range(blocks):
+        a = layers.LayerNormalization()(h)
+        a = layers.MultiHeadAttention(num_heads=heads, key_dim=key_dim)(a, a)
+        h = layers.Add()([h, a])
+        f = layers.LayerNormalization()(h)
+        f = layers.Dense(ff, activation="gelu")(f)
+        f = layers.Dense(d_model)(f)
+        h = layers.Add()([h, f])
+    h = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(h))
+    model = tf.keras.Model(inputs, layers.Dense(10)(h))
+    return _train_step(model, _XENT), _classification_batch(batch, (seq, features), 10)
+
+
+def unet_bn(batch=8, size=64, width=16, depth=3):
+    """A U-Net-like encoder-decoder: conv-BN-ReLU pairs, max pooling down,
+    Conv2DTranspose up, skip connections concatenated; per-pixel binary loss."""
+    layers = tf.keras.layers
+
+    def block(h, filters):
+        for _ in range(2):
+            h = layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
+            h = layers.ReLU()(layers.BatchNormalization()(h))
+        return h
+
+    inputs = tf.keras.Input((size, size, 3))
+    h, skips = inputs, []
+    for level in range(depth):
+        h = block(h, width * 2**level)
+        skips.append(h)
+        h = layers.MaxPooling2D(2)(h)
+    h = block(h, width * 2**depth)
+    for level in reversed(range(depth)):
+        h = layers.Conv2DTranspose(width * 2**level, 2, strides=2, padding="same")(h)
+        h = block(layers.Concatenate()([h, skips[level]]), width * 2**level)
+    model = tf.keras.Model(inputs, layers.Conv2D(1, 1)(h))
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.random((batch, size, size, 3), dtype=np.float32))
+    y = tf.constant((rng.random((batch, size, size, 1)) > 0.5).astype(np.float32))
+    loss = tf.keras.losses.BinaryCrossentropy(from_logits=True)
+    return _train_step(model, loss), (x, y)
+
+
+def mobilenet_v2(batch=32, size=96, alpha=0.5):
+    """Keras MobileNetV2 (depthwise-separable inverted residuals, ReLU6)."""
+    model = tf.keras.applications.MobileNetV2(
+        weights=None, input_shape=(size, size, 3), alpha=alpha, classes=10)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy()  # ends in softmax
+    return _train_step(model, loss), _classification_batch(batch, (size, size, 3), 10)
+
+
+def densenet121(batch=16, size=64):
+    """Keras DenseNet121: every layer of a dense block reads the concatenation of
+    all earlier ones."""
+    model = tf.keras.applications.DenseNet121(
+        weights=None, input_shape=(size, size, 3), classes=10)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy()
+    return _train_step(model, loss), _classification_batch(batch, (size, size, 3), 10)
+
+
+def efficientnet_b0(batch=16, size=64):
+    """Keras EfficientNetB0: MBConv blocks with squeeze-excite and swish."""
+    model = tf.keras.applications.EfficientNetB0(
+        weights=None, input_shape=(size, size, 3), classes=10)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy()
+    return _train_step(model, loss), _classification_batch(batch, (size, size, 3), 10)
+
+
+def text_cnn(batch=64, seq=256, vocab=20000, dim=128, filters=256):
+    """An embedding, Conv1D with ReLU, global max pooling, dropout, dense 2: sparse
+    gradients of the embedding (IndexedSlices) and a random op."""
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([
+        tf.keras.Input((seq,), dtype="int32"),
+        layers.Embedding(vocab, dim),
+        layers.Conv1D(filters, 5, activation="relu"),
+        layers.Conv1D(filters, 5, activation="relu"),
+        layers.GlobalMaxPooling1D(),
+        layers.Dropout(0.5),
+        layers.Dense(2),
+    ])
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.integers(0, vocab, size=(batch, seq), dtype=np.int32))
+    y = tf.constant(rng.integers(0, 2, size=(batch,), dtype=np.int32))
+    return _train_step(model, _XENT), (x, y)
+
+
+def v1_session_cnn(batch=128, size=32, width=32):
+    """A tf.compat.v1 graph run by a Session: conv-ReLU-conv-ReLU-maxpool twice,
+    dense 256, dense 10, softmax cross-entropy, Momentum (v1 optimizer). The
+    Session gets the rewrite options the caller's tf.function graphs would get
+    (tfmemopt.enable()), so the pass runs on it exactly as configured.
+    Returns (step, ()): step() runs one training step."""
+    from tfmemopt import _eager_context
+
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    rng = np.random.default_rng(0)
+    with graph.as_default():
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [batch, size, size, 3], name="x")
+        y = v1.placeholder(tf.int32, [batch], name="y")
+        init = v1.glorot_uniform_initializer(seed=0)
+        h, channels = x, 3
+        for stage in range(2):
+            for conv in range(2):
+                filters = width * 2**stage
+                w = v1.get_variable(f"conv{stage}_{conv}", [3, 3, channels, filters],
+                                    initializer=init)
+                b = v1.get_variable(f"bias{stage}_{conv}", [filters],
+                                    initializer=v1.zeros_initializer())
+                h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(h, w, 1, "SAME"), b))
+                channels = filters
+            h = tf.nn.max_pool2d(h, 2, 2, "VALID")
+        h = tf.reshape(h, [batch, -1])
+        w1 = v1.get_variable("fc1", [h.shape[1], 256], initializer=init)
+        h = tf.nn.relu(tf.matmul(h, w1))
+        w2 = v1.get_variable("fc2", [256, 10], initializer=init)
+        logits = tf.matmul(h, w2)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=logits))
+        train = v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+        init_op = v1.global_variables_initializer()
+    config = v1.ConfigProto()
+    config.graph_options.rewrite_options.CopyFrom(_eager_context.current_rewrite_options())
+    session = v1.Session(graph=graph, config=config)
+    session.run(init_op)
+    feed = {x: rng.random((batch, size, size, 3), dtype=np.float32),
+            y: rng.integers(0, 10, size=(batch,), dtype=np.int32)}
+
+    def step():
+        return session.run([loss, train], feed)[0]
+
+    # What the step runs, for tools that plan it without running it (tfmemopt's
+    # analyze_metagraph in benchmarks/fits_means_trains.py).
+    step.graph, step.fetches = graph, [loss.name, train.name]
+    return step, ()
+
+
 MODELS = {
     "seed_cnn": seed_cnn,
     "mlp": mlp,
     "cifar_resnet10": cifar_resnet,
     "resnet50_64px": resnet50,
     "lstm": lstm_classifier,
+    "transformer": transformer_encoder,
+    "unet": unet_bn,
+    "mobilenet_v2": mobilenet_v2,
+    "densenet121": densenet121,
+    "efficientnet_b0": efficientnet_b0,
+    "text_cnn": text_cnn,
+    "v1_session_cnn": v1_session_cnn,
 }
 
 

@@ -423,6 +423,8 @@ def evaluate(name, metagraph_bytes, fractions, time_limit, log=print):
             case["ours_peak"] = ours_device["planned_peak_bytes"] if planned else before
             # The verify stage's own topological order of the output graph.
             case["ours_verify_peak"] = ours_device["peak_after_bytes"]
+            # Control edges that pin the executor to the order the plan assumed.
+            case["ours_order_edges"] = len(ours_report["plan_choice"].get("order_edges", []))
         ours = cm.our_schedule(model, output_table(metagraph_bytes, ours_graph))
         ours_replay = cm.replay(model, ours.steps)
         case["ours_replay"] = ours_replay

@@ -18,7 +18,8 @@ With --order FILE it also writes the kernels in the order the executor started
 them (the profiler's host trace at level 3), one node name per line.
 
 Usage: python benchmarks/trace_step_memory.py MODEL [--inter-op N] [--warmup N]
-           [--top 15] [--order FILE]
+           [--top 15] [--order FILE] [--budget BYTES] [--batch N]
+With --budget the pass plans under that budget and the prediction is the plan's.
 """
 
 import argparse
@@ -109,6 +110,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--order", help="write the executor's kernel order here")
+    parser.add_argument("--budget", type=int, default=0,
+                        help="plan under this many bytes (default: ANALYZE_ONLY)")
+    parser.add_argument("--batch", type=int, help="the model's batch size (default: its own)")
+    parser.add_argument("--events", metavar="REGEX",
+                        help="also print every allocation and free by kernels matching REGEX")
     args = parser.parse_args()
 
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
@@ -129,21 +135,25 @@ def main():
         if args.model not in MODELS:
             parser.error(f"model {args.model!r}; allowed: {', '.join(MODELS)}")
         tf.keras.utils.set_random_seed(0)
-        tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0)
-        step, (x, y) = MODELS[args.model]()
+        if args.budget:
+            tfmemopt.enable(budget=args.budget, log_level=0)
+        else:
+            tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0)
+        kwargs = {"batch": args.batch} if args.batch else {}
+        step, step_args = MODELS[args.model](**kwargs)
         for _ in range(args.warmup):
-            step(x, y)
+            step(*step_args)
     finally:
         os.dup2(saved_stderr, 2)
         os.close(saved_stderr)
-    report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train_step")][-1]
+    report = max(tfmemopt.reports(), key=lambda r: r.num_nodes)  # the train step
     predicted = report.predicted_peak_bytes["after"]["CPU:0"]
 
     logdir = tempfile.mkdtemp(prefix="tfmemopt_trace_")
     tf.config.experimental.reset_memory_stats("CPU:0")
     tf.profiler.experimental.start(
         logdir, options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3))
-    step(x, y)
+    step(*step_args)
     tf.profiler.experimental.stop()
     measured = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     events, kernels = read_trace(logdir)
@@ -170,6 +180,14 @@ def main():
             outputs[e.get("tf_op", "")] += e["requested_bytes"]
         else:
             scratch[e.get("tf_op", "")] += e["requested_bytes"]
+    if args.events:
+        pattern = re.compile(args.events)
+        for e in events:
+            if pattern.search(e.get("tf_op", "")):
+                sign = "+" if e["kind"] == "MemoryAllocation" else "-"
+                print(f"  {sign}{e['allocation_bytes'] / MIB:8.2f} MiB  in use "
+                      f"{e['bytes_allocated'] / MIB:8.2f}  {e.get('region_type', ''):<6} "
+                      f"{e.get('shape', ''):<18} {e.get('tf_op', '')}")
     print("kernel scratch memory (region 'temp'):")
     for op, size in scratch.most_common(args.top):
         if size >= 1024:

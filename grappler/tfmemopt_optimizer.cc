@@ -446,6 +446,22 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     for (int n : plan.checkpoints) {
       report->recompute.checkpoints.push_back(planned_table->nodes[n].def->name());
     }
+    report->plan_choice.chosen = plan.chosen_plan;
+    report->plan_choice.allocator_windows = plan.allocator_windows;
+    report->plan_choice.freed_for_allocator = plan.steered_tensors;
+    for (const CandidatePlan& c : plan.candidate_plans) {
+      PlanChoiceReport::Candidate entry;
+      entry.name = c.name;
+      entry.fits = c.fits;
+      entry.added_seconds = c.added_seconds;
+      entry.recomputed = c.recomputed;
+      entry.swapped = c.swapped;
+      entry.simulations = c.simulations;
+      for (size_t d = 0; d < c.peak_bytes.size() && d < planned_table->devices.size(); ++d) {
+        entry.peak_bytes[planned_table->devices[d]] = c.peak_bytes[d];
+      }
+      report->plan_choice.candidates.push_back(std::move(entry));
+    }
     for (size_t d = 0; d < devices.size() && d < plan.peak_bytes.size(); ++d) {
       devices[d].planned_peak_bytes = plan.peak_bytes[d];
     }
@@ -479,6 +495,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     report->swap.host_peak_bytes = 0;
     report->loop_swap_nodes = rewrite.loop_swap.num_swap_out + rewrite.loop_swap.num_swap_in;
     HostBytesTimeline(rewrite.table(), rewrite.order(), &report->swap.host_peak_bytes);
+    report->plan_choice.order_edges = rewrite.pin_edges;
     return ApplyPlannedRewrite(rewrite, output);
   });
   if (!status.ok()) return status;

@@ -243,3 +243,107 @@ def test_a_large_constant_computation_is_a_constant_at_run_time():
     # TF runs the loss and the first TanhGrad in either order from run to run, so
     # the measured peak moves by one tensor (1 MB of 35).
     assert result["predicted"] == pytest.approx(result["measured"], rel=0.04)
+
+
+# ---------------------------------------------------------------------------
+# Kernel scratch (grappler/analyze/kernel_memory.cc), each effect checked twice: the
+# model's count by hand, and TF's own BFC peak of the same function in a fresh
+# interpreter.
+
+_MEASURE = r'''
+import json, sys
+import numpy as np
+import tensorflow as tf
+import tfmemopt
+exec(sys.argv[1])  # defines fn (a tf.function) and args
+report = tfmemopt.analyze(fn, *args, log_level=0)
+for _ in range(2):
+    fn(*args)
+tf.config.experimental.reset_memory_stats("CPU:0")
+fn(*args)
+measured = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+device = report.to_dict()["devices"][0]
+print("RESULT " + json.dumps({"measured": measured, "predicted": device["peak_after_bytes"],
+                              "live": device["live_peak_bytes"],
+                              "persistent": device["persistent_bytes"]}))
+'''
+
+
+def measure_function(code, env=None):
+    """Runs `code` (which defines fn and args) on TF's BFC CPU allocator; returns the
+    measured peak of one call and the model's figures for it."""
+    proc = run_python(_MEASURE, code, env={
+        "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "4096",
+        "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+_EINSUM = r'''
+# Made by TF ops, so that they live in TF's allocator (a tf.constant of a NumPy
+# array may share the array's memory instead).
+a = tf.random.uniform(SHAPE_A, seed=1)
+b = tf.random.uniform(SHAPE_B, seed=2)
+
+@tf.function
+def fn(a, b):
+    return tf.einsum(EQUATION, a, b)
+
+args = (a, b)
+'''
+
+
+@pytest.mark.parametrize("equation, shape_a, shape_b, scratch", [
+    # Keras MultiHeadAttention's scores: both operands are transposed to
+    # [B, N, T, H] (4 MiB each); the contraction's result is already the output.
+    ("BTNH,BSNH->BNTS", (16, 64, 8, 128), (16, 64, 8, 128), 8 * MIB),
+    # Its weighted sum: the values are transposed (4 MiB) and the contraction's
+    # result [B, N, T, H] (4 MiB) is transposed once more into the output.
+    ("BNTS,BSNH->BTNH", (16, 8, 64, 64), (16, 64, 8, 128), 8 * MIB),
+    # A plain batched matmul needs nothing beyond its output.
+    ("bij,bjk->bik", (16, 256, 256), (16, 256, 256), 0),
+])
+def test_einsum_holds_transposed_operands_and_its_unpermuted_result(
+        equation, shape_a, shape_b, scratch):
+    # tensorflow/core/kernels/linalg/einsum_op_impl.h: ReduceOperand transposes each
+    # operand into [batch, free, contract] order (unless BatchMatMul's adjoint flags
+    # can stand in), ContractOperands writes [batch, free 0, free 1], and Compute
+    # transposes that into the output's order; every temporary lives to the end.
+    code = (_EINSUM.replace("SHAPE_A", repr(shape_a)).replace("SHAPE_B", repr(shape_b))
+            .replace("EQUATION", repr(equation)))
+    result = measure_function(code)
+    inputs = 4 * (np.prod(shape_a) + np.prod(shape_b))
+    out = 4 * np.prod(tf.einsum(equation, tf.zeros(shape_a), tf.zeros(shape_b)).shape)
+    assert result["live"] - result["persistent"] == pytest.approx(
+        inputs + out + scratch, abs=4096)
+    # TF's own peak: the same, give or take BFC's rounding.
+    assert result["measured"] == pytest.approx(result["predicted"], rel=0.02)
+
+
+
+_CONTROL = r'''
+x = tf.random.uniform([1 << 20], seed=1)  # 4 MiB
+
+@tf.function
+def fn(x):
+    a = tf.sin(x)
+    d = tf.cos(a)  # a's successor by a data edge
+    with tf.control_dependencies([a]):
+        e = tf.exp(x)  # ... and by a control edge
+    # L2Loss reduces without an axis input, so nothing else has to run first.
+    return tf.nn.l2_loss(d) + tf.nn.l2_loss(e)
+
+args = (x,)
+'''
+
+
+def test_a_successor_by_control_edge_runs_right_after_its_trigger():
+    # TF's executor activates a finished kernel's data edges, then its control edges
+    # (ActivateNodes in propagator_state.cc), and runs the last expensive kernel it
+    # made ready inline (ScheduleReady, executor.cc): Exp before Cos, while x and a
+    # are live; then Cos writes into a. Cos first would hold two buffers at most.
+    # The triggers of tfmemopt's recomputations and swap-ins are such control edges.
+    result = measure_function(_CONTROL)
+    assert result["live"] - result["persistent"] == tensors(3)
+    assert result["measured"] == pytest.approx(result["predicted"], rel=0.02)

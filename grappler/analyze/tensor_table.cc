@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "grappler/analyze/kernel_memory.h"
 #include "grappler/analyze/op_costs.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
@@ -304,53 +305,6 @@ void BindUpdatedVariables(TensorTable* table) {
       if (assign) break;  // only the first input is the variable
     }
     node.updates_variable = !node.updated_variables.empty();
-  }
-}
-
-// Kernel memory beyond the graph's outputs, measured with
-// benchmarks/trace_step_memory.py (the BFC allocator's own trace of a training
-// step):
-//  * with oneDNN (TF's default on x86 CPUs), its layout pass gives a float
-//    MaxPool whose output a MaxPoolGrad reads a second output, a workspace of one
-//    byte per output element, which the MaxPoolGrad reads instead of recomputing
-//    the pooling: 4.5 MiB next to the CNN's 18 MiB pooled output, live until
-//    MaxPoolGrad, and no scratch there;
-//  * without it, Eigen's MaxPoolGrad allocates a copy of the pooled output and
-//    its int64 argmax as temporaries: 3x its gradient input.
-bool UsesOneDnnWorkspace(const TensorTable& table, const NodeInfo& grad) {
-  static const bool onednn = tensorflow::IsMKLEnabled();
-  if (!onednn || grad.def->op() != "MaxPoolGrad" || grad.inputs.size() < 3 ||
-      !absl::StartsWith(grad.device, "CPU")) {
-    return false;
-  }
-  const TensorInfo& pooled = table.tensors[grad.inputs[1]];
-  return table.nodes[pooled.node].def->op() == "MaxPool" && pooled.port == 0 &&
-         (pooled.dtype == tensorflow::DT_FLOAT || pooled.dtype == tensorflow::DT_BFLOAT16);
-}
-
-void EstimateTempBytes(TensorTable* table) {
-  for (NodeInfo& node : table->nodes) {
-    if ((node.def->op() == "MaxPoolGrad" || node.def->op() == "MaxPoolGradV2") &&
-        node.inputs.size() >= 3 && !UsesOneDnnWorkspace(*table, node)) {
-      node.temp_bytes = 3 * table->tensors[node.inputs[2]].bytes;
-    }
-  }
-}
-
-// The workspaces, once the table's buffers exist.
-void AddWorkspaceBuffers(TensorTable* table) {
-  for (size_t n = 0; n < table->nodes.size(); ++n) {
-    const NodeInfo& grad = table->nodes[n];
-    if (!UsesOneDnnWorkspace(*table, grad)) continue;
-    const TensorInfo& pooled = table->tensors[grad.inputs[1]];
-    NodeInfo& pool = table->nodes[pooled.node];
-    BufferInfo buffer;
-    buffer.owner = pool.outputs[0];
-    buffer.bytes = pooled.bytes / tensorflow::DataTypeSize(pooled.dtype);
-    buffer.device = pool.device;
-    buffer.released_by = static_cast<int>(n);
-    pool.extra_buffers.push_back(static_cast<int>(table->buffers.size()));
-    table->buffers.push_back(buffer);
   }
 }
 
@@ -674,7 +628,7 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
   }
 
   SizeTensorLists(table);
-  EstimateTempBytes(table);
+  EstimateKernelScratch(properties, table);
   EstimateComputeSeconds(properties, table);
 
   // Backward = in a gradient scope or downstream of one, along data edges. Nodes
@@ -804,7 +758,7 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
   }
   BindReusableInputs(table);
   BindUpdatedVariables(table);
-  AddWorkspaceBuffers(table);
+  AddKernelBuffers(table);
   for (size_t t = 0; t < table->tensors.size(); ++t) {
     if (!table->tensors[t].size_known) {
       table->unresolved_tensors.push_back(t);

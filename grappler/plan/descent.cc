@@ -6,51 +6,24 @@
 #include <queue>
 
 #include "grappler/plan/memory_planner.h"
+#include "grappler/plan/objective.h"
 #include "grappler/rewrite/recompute_pass.h"
 #include "tensorflow/core/platform/logging.h"
 
 namespace tfmemopt {
-namespace {
-
-int64_t Excess(const SimulationResult& simulation, const std::vector<int64_t>& budget,
-               int* worst_device) {
-  int64_t excess = INT64_MIN;
-  *worst_device = -1;
-  for (size_t d = 0; d < simulation.devices.size() && d < budget.size(); ++d) {
-    if (budget[d] <= 0) continue;
-    const int64_t over = PredictedPeak(simulation.devices[d]) - budget[d];
-    if (over > excess) {
-      excess = over;
-      *worst_device = static_cast<int>(d);
-    }
-  }
-  return *worst_device < 0 ? 0 : excess;
-}
-
-// How far a simulated plan is from fitting: the live bytes above the budget summed
-// over all steps, plus the peak's excess counted once per step. The sum keeps
-// guiding the search when several steps share the peak and a choice lowers only
-// some of them.
-double Overshoot(const SimulationResult& simulation, const std::vector<int64_t>& budget) {
-  double total = 0;
-  for (size_t d = 0; d < simulation.devices.size() && d < budget.size(); ++d) {
-    if (budget[d] <= 0) continue;
-    const DeviceTimeline& t = simulation.devices[d];
-    for (size_t s = 0; s < t.activation_bytes.size(); ++s) {
-      const int64_t live = t.persistent_bytes + t.activation_bytes[s] + t.gradient_bytes[s];
-      if (live > budget[d]) total += static_cast<double>(live - budget[d]);
-    }
-    const int64_t over = PredictedPeak(t) - budget[d];
-    if (over > 0) total += static_cast<double>(over) * t.activation_bytes.size();
-  }
-  return total;
-}
-
-}  // namespace
 
 Planner::Planner(const PlanContext& context, std::vector<Mechanism*> mechanisms,
                  MemoryPlan* plan)
-    : ctx_(context), mechanisms_(std::move(mechanisms)), plan_(plan), work_(context.table) {}
+    : ctx_(context),
+      mechanisms_(std::move(mechanisms)),
+      plan_(plan),
+      work_(context.table),
+      simulation_limit_(plan->simulations + context.options.max_simulations) {}
+
+void Planner::BeginSearch() {
+  allocator_ = false;
+  simulation_limit_ = plan_->simulations + ctx_.options.max_simulations;
+}
 
 Choice Planner::EmptyChoice() const {
   Choice choice;
@@ -81,53 +54,70 @@ absl::Status Planner::EvaluateWithAllocator(Choice choice, Evaluated* out) {
 
 absl::Status Planner::Apply(const Choice& choice) {
   applied_ = 0;
+  pins_applied_ = false;
   const std::vector<int>* order = &ctx_.order;
   for (size_t m = 0; m < mechanisms_.size(); ++m) {
     absl::Status status =
-        mechanisms_[m]->Apply(&work_, *order, choice.items[m], choice.variant);
+        choice.pinned ? mechanisms_[m]->ApplyPinned(&work_, *order, choice.items[m])
+                      : mechanisms_[m]->Apply(&work_, *order, choice.items[m], choice.variant);
     applied_ = static_cast<int>(m) + 1;
     if (!status.ok()) return status;
     order = &mechanisms_[m]->order();
   }
-  return absl::OkStatus();
+  if (!choice.pinned) return absl::OkStatus();
+  pin_edit_.Begin(work_);
+  pins_applied_ = true;
+  const int added = static_cast<int>(work_.nodes.size() - ctx_.table.nodes.size());
+  return PinOrder(&work_, ctx_.flow, *order, PinEdgeLimit(added), &pin_edit_, &pinned_,
+                  &pinned_order_);
 }
 
 void Planner::Unapply() {
+  if (pins_applied_) pin_edit_.Undo(&work_);
+  pins_applied_ = false;
   for (int m = applied_ - 1; m >= 0; --m) mechanisms_[m]->Undo(&work_);
   applied_ = 0;
 }
 
-// Simulates `choice` with both placements and keeps the better: where the
-// executor's order runs a clone decides whether it lowers the peak. (If the usual
-// placement fits, the other is not simulated: the planner asks no more of a plan
-// than that it fits. Graphs past exact_max_nodes get the usual placement only:
-// there a simulation costs milliseconds, and the plan time of a big graph is
-// bounded by the number of simulations.)
+// Simulates `choice` with each placement and keeps the best: where the executor's
+// order runs a clone decides whether it lowers the peak. The usual placement first;
+// if it does not fit, the order pinned with each clone right before its reader
+// (Checkmate's placement, plan/pin_order.h), then the alternative placement. (The
+// planner asks no more of a plan than that it fits: once one does, the others are
+// not simulated. Graphs past exact_max_nodes get the usual placement only: there a
+// simulation costs milliseconds, and the plan time of a big graph is bounded by the
+// number of simulations.)
 absl::Status Planner::Evaluate(Choice choice, Evaluated* out) {
   choice.items.resize(mechanisms_.size());
   choice.variant = false;
-  bool variant = false;
+  choice.pinned = false;
+  bool variant = false, adds = false;
   for (size_t m = 0; m < mechanisms_.size(); ++m) {
     variant = variant || mechanisms_[m]->HasVariant(choice.items[m]);
+    adds = adds || !choice.items[m].empty();
   }
-  if (!variant || static_cast<int>(ctx_.table.nodes.size()) > ctx_.options.exact_max_nodes) {
+  if (!adds || static_cast<int>(ctx_.table.nodes.size()) > ctx_.options.exact_max_nodes) {
     return EvaluateAs(std::move(choice), out);
   }
-  Evaluated usual, other;
-  Choice other_choice = choice;
-  other_choice.variant = true;
-  absl::Status status = EvaluateAs(std::move(choice), &usual);
-  if (!status.ok()) return status;
-  if (usual.excess <= 0) {
-    *out = std::move(usual);
-    return absl::OkStatus();
+  std::vector<Choice> others;
+  Choice pinned = choice;
+  pinned.pinned = true;
+  others.push_back(std::move(pinned));
+  if (variant) {
+    Choice other = choice;
+    other.variant = true;
+    others.push_back(std::move(other));
   }
-  status = EvaluateAs(std::move(other_choice), &other);
-  if (!status.ok()) return status;
-  const bool better = other.excess < usual.excess ||
-                      (other.excess == usual.excess && other.overshoot < usual.overshoot);
-  *out = std::move(better ? other : usual);
-  return absl::OkStatus();
+  absl::Status status = EvaluateAs(std::move(choice), out);
+  for (Choice& other : others) {
+    if (!status.ok() || out->excess <= 0) break;
+    Evaluated trial;
+    status = EvaluateAs(std::move(other), &trial);
+    if (status.ok() && CloserToFitting(trial.objective(), out->objective(), false)) {
+      *out = std::move(trial);
+    }
+  }
+  return status;
 }
 
 absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
@@ -160,8 +150,11 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
   rewrite_seconds_ += std::chrono::duration<double>(built - start).count();
   simulate_seconds_ +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - built).count();
-  out->excess = Excess(out->simulation, ctx_.options.budget_bytes, &out->worst_device);
-  out->overshoot = Overshoot(out->simulation, ctx_.options.budget_bytes);
+  const Objective objective = Judge(out->simulation, ctx_.options.budget_bytes);
+  out->excess = objective.excess;
+  out->overshoot = objective.overshoot;
+  out->worst_device = objective.worst_device;
+  out->focus = objective.focus;
   out->seconds = 0;
   for (const Mechanism* mechanism : mechanisms_) out->seconds = mechanism->AddSeconds(out->seconds);
   return absl::OkStatus();
@@ -170,9 +163,11 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
 absl::Status Planner::Candidates(const Evaluated& state, const std::vector<bool>& proposing,
                                  std::vector<Candidate>* out) {
   out->clear();
-  if (state.worst_device < 0) return absl::OkStatus();
-  const DeviceTimeline& timeline = state.simulation.devices[state.worst_device];
-  const int peak_step = timeline.peak_step;
+  // At the step where the plan goes wrong (objective.h: the live peak, the
+  // allocator's peak, or its refusal).
+  const Target target = TargetOf(state.objective(), state.simulation);
+  if (target.device < 0) return absl::OkStatus();
+  const int peak_step = target.step;
   if (peak_step < 0) return absl::OkStatus();
   absl::Status status = Apply(state.choice);
   if (!status.ok()) {
@@ -184,7 +179,7 @@ absl::Status Planner::Candidates(const Evaluated& state, const std::vector<bool>
   std::vector<int> position(now.nodes.size(), -1);
   for (size_t s = 0; s < state.order.size(); ++s) position[state.order[s]] = static_cast<int>(s);
   std::vector<bool> live(now.buffers.size(), false);
-  for (int b : timeline.live_at_peak) live[b] = true;
+  for (int b : *target.live) live[b] = true;
   for (size_t m = 0; m < mechanisms_.size(); ++m) {
     mechanisms_[m]->BeginProposals(state.choice.items[m]);
   }
@@ -207,7 +202,7 @@ absl::Status Planner::Candidates(const Evaluated& state, const std::vector<bool>
     return false;
   };
 
-  for (int b : timeline.live_at_peak) {
+  for (int b : *target.live) {
     if (b >= base_buffers || table.buffers[b].persistent) continue;
     const int owner_node = table.tensors[table.buffers[b].owner].node;
     if (table.nodes[owner_node].backward || table.buffers[b].bytes < ctx_.options.min_tensor_bytes ||
@@ -245,9 +240,11 @@ absl::Status Planner::Candidates(const Evaluated& state, const std::vector<bool>
     // Later mechanisms are asked first: candidates are listed in the order the
     // planner listed them before mechanisms had a shape of their own (swap, then
     // recompute), which the sort below, not being stable, depends on.
+    const size_t proposed = out->size();
     for (int m = static_cast<int>(mechanisms_.size()) - 1; m >= 0; --m) {
       if (proposing[m]) mechanisms_[m]->Propose(view, holding, m, out);
     }
+    for (size_t c = proposed; c < out->size(); ++c) (*out)[c].buffer = b;
   }
   Unapply();
   std::sort(out->begin(), out->end(), [](const Candidate& a, const Candidate& b) {
@@ -277,8 +274,7 @@ absl::Status Planner::Descend(const Choice& fixed_in, std::vector<Group> groups,
   if (!status.ok()) return status;
   std::vector<Candidate> candidates;
   auto improves = [this](const Evaluated& next, const Evaluated& now) {
-    return next.excess < now.excess ||
-           (!peak_only_ && next.excess == now.excess && next.overshoot < now.overshoot);
+    return CloserToFitting(next.objective(), now.objective(), peak_only_);
   };
   auto with = [](const Choice& base, const Candidate& c) {
     Choice next = base;
@@ -288,7 +284,8 @@ absl::Status Planner::Descend(const Choice& fixed_in, std::vector<Group> groups,
   };
   auto group_of = [](const Candidate& c) { return Group{c.mechanism, c.items, c.seconds}; };
   const int n = static_cast<int>(ctx_.table.nodes.size());
-  while (plan_->simulations < ctx_.options.max_simulations) {
+  while (plan_->simulations < simulation_limit_) {
+    if (cost_bound_ > 0 && state.seconds > cost_bound_) break;
     if (state.excess <= 0) {
       if (allocator_ || !HasAllocatorModel()) break;
       status = UseAllocatorModel(&state);
@@ -306,6 +303,19 @@ absl::Status Planner::Descend(const Choice& fixed_in, std::vector<Group> groups,
               << state.overshoot << ", " << candidates.size() << " candidates";
     }
     if (candidates.empty()) break;
+    if (state.focus == Focus::kRefusal) {
+      // The allocator refuses although the peak fits: first free a chunk that large.
+      Evaluated steered_state;
+      std::vector<Group> steered_groups;
+      bool steered = false;
+      status = SteerAroundRefusal(state, candidates, &steered_state, &steered_groups, &steered);
+      if (!status.ok()) return status;
+      if (steered) {
+        groups.insert(groups.end(), steered_groups.begin(), steered_groups.end());
+        state = std::move(steered_state);
+        continue;
+      }
+    }
     // First several at once: the best until their estimated savings cover the
     // excess. Each estimate assumes its anchors stay, so a batch never drops
     // another member's anchor.
@@ -351,8 +361,7 @@ absl::Status Planner::Descend(const Choice& fixed_in, std::vector<Group> groups,
     Evaluated chosen_state;
     const double steps = static_cast<double>(
         state.simulation.devices[state.worst_device].activation_bytes.size());
-    for (size_t i = 0; i < candidates.size() && i < 6 &&
-                       plan_->simulations < ctx_.options.max_simulations;
+    for (size_t i = 0; i < candidates.size() && i < 6 && plan_->simulations < simulation_limit_;
          ++i) {
       const Candidate& c = candidates[i];
       if (static_cast<int64_t>(c.items.size()) >

@@ -23,6 +23,8 @@
 
 #include "absl/status/status.h"
 #include "grappler/plan/mechanism.h"
+#include "grappler/plan/objective.h"
+#include "grappler/plan/pin_order.h"
 
 namespace tfmemopt {
 
@@ -32,10 +34,22 @@ struct Evaluated {
   Choice choice;
   std::vector<int> order;  // the simulated order of the applied choice
   SimulationResult simulation;
-  int64_t excess = 0;     // worst device's predicted peak above its budget
-  double overshoot = 0;   // see Overshoot in descent.cc
+  // The simulation judged (plan/objective.h): worst device's predicted peak above
+  // its budget, how far from fitting, and which device.
+  int64_t excess = 0;
+  double overshoot = 0;
   int worst_device = -1;
+  Focus focus = Focus::kLivePeak;
   double seconds = 0;  // predicted added time
+
+  Objective objective() const {
+    Objective o;
+    o.excess = excess;
+    o.overshoot = overshoot;
+    o.worst_device = worst_device;
+    o.focus = focus;
+    return o;
+  }
 };
 
 // Choices that the final cleanup may take back, one group at a time.
@@ -51,6 +65,10 @@ class Planner {
   Planner(const PlanContext& context, std::vector<Mechanism*> mechanisms, MemoryPlan* plan);
 
   int num_mechanisms() const { return static_cast<int>(mechanisms_.size()); }
+  // Starts a search of its own: max_simulations more simulations from here, on
+  // live bytes first (the allocator model switched off until they fit or cannot),
+  // as a planner made afresh would run it.
+  void BeginSearch();
   // A choice with no items, shaped for this planner.
   Choice EmptyChoice() const;
 
@@ -65,6 +83,10 @@ class Planner {
   // dropped at the end.
   absl::Status Descend(const Choice& fixed, std::vector<Group> groups,
                        const std::vector<bool>& proposing, Evaluated* best);
+  // Makes Descend give up once the time its choice adds exceeds `seconds` (a plan
+  // that fits at a fraction of that is in hand); 0: no bound.
+  void set_cost_bound(double seconds) { cost_bound_ = seconds; }
+  double cost_bound() const { return cost_bound_; }
   // Makes Descend take only choices that lower the peak (not those that lower
   // just the live bytes above the budget at other steps).
   void set_peak_only(bool peak_only) { peak_only_ = peak_only; }
@@ -86,15 +108,27 @@ class Planner {
   void Unapply();
   absl::Status Candidates(const Evaluated& state, const std::vector<bool>& proposing,
                           std::vector<Candidate>* out);
+  // At an allocator refusal (plan/steer.cc): takes the candidates whose buffers'
+  // chunks, freed together, would give BFC a chunk of the refused size, if that
+  // brings the plan closer to fitting. `candidates` are Candidates' at the refusal.
+  absl::Status SteerAroundRefusal(const Evaluated& state,
+                                  const std::vector<Candidate>& candidates, Evaluated* next,
+                                  std::vector<Group>* taken, bool* steered);
 
   const PlanContext& ctx_;
   std::vector<Mechanism*> mechanisms_;
   MemoryPlan* plan_;
   bool allocator_ = false;
   bool peak_only_ = false;
+  int simulation_limit_ = 0;  // Descend stops here (BeginSearch)
+  double cost_bound_ = 0;
   // The base table, with the choice being evaluated applied in place.
   TensorTable work_;
   int applied_ = 0;  // mechanisms applied to work_ (Unapply takes them back)
+  bool pins_applied_ = false;  // work_ holds pinning edges (pin_edit_ takes them back)
+  TableEdit pin_edit_;
+  PinnedOrder pinned_;
+  std::vector<int> pinned_order_;
   double rewrite_seconds_ = 0, simulate_seconds_ = 0;
 };
 

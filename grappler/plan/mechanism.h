@@ -74,6 +74,10 @@ struct Choice {
   // Every mechanism applies its alternative placement (Mechanism::HasVariant);
   // the planner simulates both and keeps the better.
   bool variant = false;
+  // Every mechanism places what it adds where it is needed (ApplyPinned), and the
+  // planner pins the executor to the resulting order with control edges
+  // (plan/pin_order.h), so that it runs exactly the order simulated.
+  bool pinned = false;
 };
 
 // A forward buffer live at the simulated peak only because readers in the
@@ -106,6 +110,7 @@ struct Candidate {
   int64_t gain = 0;     // bytes it takes off the peak (estimate)
   double seconds = 0;   // time it adds (estimate, > 0)
   int owner = 0;        // tie-break: the holding's owner node
+  int buffer = -1;      // the holding's buffer (set by the planner)
 };
 
 class Mechanism {
@@ -119,6 +124,12 @@ class Mechanism {
   virtual absl::Status Apply(TensorTable* work, const std::vector<int>& order,
                              const std::vector<int>& items, bool variant) = 0;
   virtual void Undo(TensorTable* work) = 0;
+  // Apply for an order the planner will pin (Choice::pinned): what the mechanism
+  // adds goes where it is needed, since the executor will run it exactly there.
+  virtual absl::Status ApplyPinned(TensorTable* work, const std::vector<int>& order,
+                                   const std::vector<int>& items) {
+    return Apply(work, order, items, /*variant=*/false);
+  }
   // After Apply: the order of `work` for the next mechanism, the items really
   // applied (some may turn out to have nothing to act on), and `seconds` plus the
   // predicted time they add (added in the mechanism's own order, so that a sum

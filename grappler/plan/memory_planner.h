@@ -23,6 +23,12 @@
 //    again after each step, until the peak fits or nothing lowers it any more (then
 //    the lowest peak found is reported as the minimum). Choices the budget turns
 //    out not to need are dropped again at the end, most expensive first.
+//    With swapping enabled too, the same search runs three times: jointly, and with
+//    each mechanism alone (as a configuration with the other disabled would run
+//    it); the plan that fits at the lowest added time is kept (none fitting: the
+//    one closest to fitting), and MemoryPlan::candidate_plans says what each found.
+//    A single-mechanism search is given up once its choice adds 1.5 times the time
+//    of a fitting plan in hand.
 //    Small graphs (see exact_max_candidates) then get an exact search: every set
 //    of recompute candidates, cheapest first, is simulated until one fits; it
 //    replaces the greedy plan if it is cheaper. On such graphs (exact_max_nodes)
@@ -60,6 +66,7 @@
 #include "grappler/memory_optimizer_options.h"
 #include "grappler/plan/loop_swap_choice.h"
 #include "grappler/plan/mechanism.h"
+#include "grappler/plan/pin_order.h"
 #include "grappler/plan/planner_options.h"
 #include "grappler/plan/recompute_choice.h"
 #include "grappler/plan/swap_choice.h"
@@ -77,6 +84,9 @@ struct PlannedRewrite {
   RecomputeRewrite recompute;
   SwapRewrite swap;
   LoopSwapRewrite loop_swap;
+  // Control edges (from, to) that pin the executor to the order simulated
+  // (plan/pin_order.h), when the plan was simulated pinned.
+  std::vector<std::pair<std::string, std::string>> pin_edges;
   const TensorTable& table() const { return loop_swap.table; }
   const std::vector<int>& order() const { return loop_swap.order; }
 };

@@ -49,6 +49,18 @@ struct MemoryPlannerOptions {
   int max_split_slices = 64;
 };
 
+// A plan the planner found and weighed against others (AUTO with both mechanisms:
+// the joint search and each mechanism alone).
+struct CandidatePlan {
+  std::string name;  // "joint", "swap_only", "recompute_only"
+  bool fits = false;
+  double added_seconds = 0;
+  int recomputed = 0;  // recompute items (forward nodes to clone)
+  int swapped = 0;     // swapped tensors
+  std::vector<int64_t> peak_bytes;  // per device, PredictedPeak
+  int simulations = 0;  // plans simulated by its search
+};
+
 struct MemoryPlan {
   std::vector<int> recompute_nodes;  // base node indices that got a clone
   std::vector<int> swap_tensors;     // base tensor indices that are swapped
@@ -69,6 +81,16 @@ struct MemoryPlan {
   std::map<std::string, int> left_alone;
   std::vector<std::string> hinted_but_not_recomputable;  // MANUAL: names, with reason
   std::string note;  // why a SQRT or MANUAL plan was not applied, if it was not
+  // AUTO with both mechanisms: the plans weighed, and the one kept (before the exact
+  // search, which may still replace it by a cheaper recompute-only plan).
+  std::vector<CandidatePlan> candidate_plans;
+  std::string chosen_plan;
+  // Allocator refusals the searches steered around (plan/steer.cc): windows of
+  // neighbouring chunks freed, and the base buffers taken for them.
+  int allocator_windows = 0;
+  std::vector<int> steered_buffers;
+  // Of those, the tensors the applied plan swaps or recomputes (buffer owners).
+  std::vector<std::string> steered_tensors;
 };
 
 }  // namespace tfmemopt

@@ -64,7 +64,14 @@ RecomputeChoice::RecomputeChoice(const PlanContext& context, MemoryPlan* plan)
 
 absl::Status RecomputeChoice::Apply(TensorTable* work, const std::vector<int>& order,
                                     const std::vector<int>& items, bool variant) {
-  return RecomputeInPlace(work, order, ctx_.flow, items, &applied_, &edit_, variant);
+  return RecomputeInPlace(work, order, ctx_.flow, items, &applied_, &edit_,
+                          variant ? ClonePlacement::kEarlier : ClonePlacement::kAtReaderInput);
+}
+
+absl::Status RecomputeChoice::ApplyPinned(TensorTable* work, const std::vector<int>& order,
+                                          const std::vector<int>& items) {
+  return RecomputeInPlace(work, order, ctx_.flow, items, &applied_, &edit_,
+                          ClonePlacement::kBeforeReader);
 }
 
 void RecomputeChoice::BeginProposals(const std::vector<int>& items) {
@@ -128,7 +135,7 @@ double RecomputeChoice::ItemSeconds(int item) const {
 bool RecomputeChoice::ExactItems(int limit, std::vector<int>* items) {
   // Recomputable forward nodes whose clone a backward op would read, directly or
   // through the clone of a candidate they feed (RecomputeInPlace skips the
-  // others). Visited consumers first.
+  // others), in some placement. Visited consumers first.
   const TensorTable& table = ctx_.table;
   const int n = static_cast<int>(table.nodes.size());
   items->clear();
@@ -142,7 +149,9 @@ bool RecomputeChoice::ExactItems(int limit, std::vector<int>* items) {
       big = big || table.tensors[t].bytes >= ctx_.options.min_tensor_bytes;
       for (int c : table.tensors[t].consumers) {
         if (candidate[c]) read = true;
-        if (ReadsRecomputedValues(table, ctx_.flow, c)) direct_[node] = read = true;
+        // A backward reader that only the pinned placement serves (ReadsClonesWhenPinned)
+        // counts: the planner simulates small graphs' plans pinned too.
+        if (ReadsClonesWhenPinned(table, ctx_.flow, c)) direct_[node] = read = true;
       }
     }
     if (!big || !read) continue;

@@ -5,7 +5,8 @@
 // plus whatever inputs would otherwise have to be kept alive (the closure, back
 // to tensors that are live anyway: its anchors), worth the holding's bytes minus
 // the buffers the closure keeps alive, at the closure's OpLevelCostEstimator time.
-// The alternative placement triggers each clone one backward step earlier.
+// The alternative placement triggers each clone one backward step earlier; a
+// pinned plan triggers it right before its reader (ClonePlacement).
 //
 // The policies that fix a recompute set without a search live here too: SQRT
 // (OpenAI's checkpoints='memory') and MANUAL (the user's hints).
@@ -36,6 +37,9 @@ class RecomputeChoice : public Mechanism {
   absl::Status Apply(TensorTable* work, const std::vector<int>& order,
                      const std::vector<int>& items, bool variant) override;
   void Undo(TensorTable* work) override { edit_.Undo(work); }
+  // Each clone triggered right before its earliest reader (kBeforeReader).
+  absl::Status ApplyPinned(TensorTable* work, const std::vector<int>& order,
+                           const std::vector<int>& items) override;
   const std::vector<int>& order() const override { return applied_.order; }
   const std::vector<int>& applied() const override { return applied_.cloned; }
   double AddSeconds(double seconds) const override { return seconds + applied_.added_seconds; }

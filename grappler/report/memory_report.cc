@@ -198,7 +198,30 @@ std::string MemoryReport::ToJson() const {
     }
   }
   out << "},\"simulations\":" << schedule.simulations << "},\"split\":" << SplitJson(split)
-      << ",\"loops\":[";
+      << ",\"plan_choice\":{\"chosen\":" << Quote(plan_choice.chosen) << ",\"candidates\":[";
+  for (size_t i = 0; i < plan_choice.candidates.size(); ++i) {
+    const PlanChoiceReport::Candidate& c = plan_choice.candidates[i];
+    out << (i ? "," : "") << "{\"name\":" << Quote(c.name)
+        << ",\"fits\":" << (c.fits ? "true" : "false")
+        << ",\"added_seconds\":" << absl::StrFormat("%.9g", c.added_seconds)
+        << ",\"recomputed\":" << c.recomputed << ",\"swapped\":" << c.swapped
+        << ",\"simulations\":" << c.simulations
+        << ",\"peak_bytes\":{";
+    bool first_peak = true;
+    for (const auto& [device, bytes] : c.peak_bytes) {
+      out << (first_peak ? "" : ",") << Quote(device) << ":" << bytes;
+      first_peak = false;
+    }
+    out << "}}";
+  }
+  out << "],\"order_edges\":[";
+  for (size_t i = 0; i < plan_choice.order_edges.size(); ++i) {
+    out << (i ? "," : "") << "[" << Quote(plan_choice.order_edges[i].first) << ","
+        << Quote(plan_choice.order_edges[i].second) << "]";
+  }
+  out << "],\"allocator_windows\":" << plan_choice.allocator_windows
+      << ",\"freed_for_allocator\":" << QuotedList(plan_choice.freed_for_allocator)
+      << "},\"loops\":[";
   for (size_t i = 0; i < loops.size(); ++i) {
     const LoopReport& loop = loops[i];
     out << (i ? "," : "") << "{\"frame\":" << Quote(loop.frame)

@@ -147,6 +147,29 @@ struct SplitReport {
   std::string note;
 };
 
+// How the planner chose among the plans it found (AUTO with both mechanisms: the
+// joint search and each mechanism searched alone; the best is kept).
+struct PlanChoiceReport {
+  struct Candidate {
+    std::string name;  // "joint", "swap_only", "recompute_only"
+    bool fits = false;
+    double added_seconds = 0;
+    int recomputed = 0;  // forward nodes cloned
+    int swapped = 0;     // tensors swapped
+    std::map<std::string, int64_t> peak_bytes;  // per device, predicted
+    int simulations = 0;  // plans its search simulated
+  };
+  std::vector<Candidate> candidates;
+  std::string chosen;  // a candidate's name, or "exact" (the exact search's plan)
+  // Control edges (waited for, waiting) that pin TF's executor to the order the
+  // plan was simulated in (each clone right before its reader; plan/pin_order.h).
+  std::vector<std::pair<std::string, std::string>> order_edges;
+  // Allocator refusals steered around (plan/steer.cc): windows of neighbouring BFC
+  // chunks the searches freed, and the tensors the applied plan takes for them.
+  int allocator_windows = 0;
+  std::vector<std::string> freed_for_allocator;
+};
+
 struct MemoryReport {
   std::string graph_id;
   std::string status = "ok";  // "ok" | "fallback"
@@ -169,6 +192,7 @@ struct MemoryReport {
   SwapReport swap;
   ScheduleReport schedule;
   SplitReport split;
+  PlanChoiceReport plan_choice;
   std::vector<LoopReport> loops;
   int loop_swap_nodes = 0;  // nodes the loop swap added (swap-outs, swap-ins, triggers)
   // Timelines of the final graph and of the original one: per device, transient

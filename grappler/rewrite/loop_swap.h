@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/rewrite/recompute_pass.h"
 #include "tensorflow/core/framework/graph.pb.h"
@@ -73,6 +74,13 @@ struct LoopSwapRewrite {
   int64_t bytes_to_host = 0;  // per step: the lists' full sizes
   double copy_seconds = 0;    // predicted, both directions, per step
 };
+
+// Whether `node` is one of the loop swap's nodes (they run inside loop frames: a
+// control edge to or from one would cross a frame).
+inline bool IsLoopSwapNode(const tensorflow::NodeDef& node) {
+  return absl::StartsWith(node.name(), kLoopSwapOutScope) ||
+         absl::StartsWith(node.name(), kLoopSwapInScope);
+}
 
 // Why list `list` (LoopAnalysis::lists index) cannot be swapped, or "".
 std::string LoopSwapBlocker(const TensorTable& table, int list);

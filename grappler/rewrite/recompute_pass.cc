@@ -21,6 +21,11 @@ std::string CloneName(const std::string& original) {
 
 }  // namespace
 
+bool ReadsClonesWhenPinned(const TensorTable& table, const ControlFlowInfo& flow,
+                           int consumer) {
+  return table.nodes[consumer].backward && !flow.Under(consumer);
+}
+
 bool ReadsRecomputedValues(const TensorTable& table, const ControlFlowInfo& flow,
                            int consumer) {
   const NodeInfo& node = table.nodes[consumer];
@@ -78,16 +83,15 @@ void TableEdit::Undo(TensorTable* table) const {
 absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
                                    const ControlFlowInfo& flow,
                                    const std::vector<int>& nodes, RecomputeRewrite* rewrite,
-                                   bool early_triggers) {
+                                   ClonePlacement placement) {
   rewrite->table = base;
-  return RecomputeInPlace(&rewrite->table, order, flow, nodes, rewrite, nullptr,
-                          early_triggers);
+  return RecomputeInPlace(&rewrite->table, order, flow, nodes, rewrite, nullptr, placement);
 }
 
 absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& nodes,
                               RecomputeRewrite* rewrite, TableEdit* edit,
-                              bool early_triggers) {
+                              ClonePlacement placement) {
   TensorTable& table = *table_ptr;
   const int n = static_cast<int>(table.nodes.size());
   if (static_cast<int>(order.size()) != n) {
@@ -116,8 +120,14 @@ absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& or
   // (directly or through the clones that read it: it must exist by then), and its
   // trigger, the latest gradient-side input of that consumer.
   std::vector<signed char> late(n, -1);
+  const bool pinned = placement == ClonePlacement::kBeforeReader;
   auto reads_clones = [&](int c) {
-    if (late[c] < 0) late[c] = ReadsRecomputedValues(table, flow, c) ? 1 : 0;
+    if (late[c] < 0) {
+      late[c] = (pinned ? ReadsClonesWhenPinned(table, flow, c)
+                        : ReadsRecomputedValues(table, flow, c))
+                    ? 1
+                    : 0;
+    }
     return late[c] == 1;
   };
   std::vector<int> earliest(n, INT_MAX);
@@ -144,12 +154,24 @@ absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& or
   std::vector<int> trigger(n, -1);
   for (int r : chosen_in_order) {
     if (earliest_node[r] < 0) continue;
+    if (pinned) {
+      // The backward node nearest before the reader: the clone runs right before
+      // its reader. The reader is the clone's earliest, so no node before it
+      // depends on the clone, and the edge closes no cycle. Without one (the reader
+      // is the first backward node), nobody reads the clone.
+      for (int s = position[earliest_node[r]] - 1; s >= 0 && trigger[r] < 0; --s) {
+        const int candidate = order[s];
+        if (table.nodes[candidate].backward && !flow.Under(candidate)) trigger[r] = candidate;
+      }
+      if (trigger[r] < 0) earliest_node[r] = -1;
+      continue;
+    }
     trigger[r] = LatestBackwardInput(table, flow, earliest_node[r], &position);
     if (trigger[r] < 0) {
       return absl::InternalError(
           absl::StrCat("recompute: no trigger for ", table.nodes[r].def->name()));
     }
-    if (early_triggers) {
+    if (placement == ClonePlacement::kEarlier) {
       const int earlier = LatestBackwardInput(table, flow, trigger[r], &position);
       if (earlier >= 0) trigger[r] = earlier;
     }

@@ -92,10 +92,34 @@ struct TableEdit {
 bool ReadsRecomputedValues(const TensorTable& table, const ControlFlowInfo& flow,
                            int consumer);
 
+// With the order pinned (ClonePlacement::kBeforeReader), every backward consumer
+// outside control flow reads recomputed values: the pinned order keeps it where it
+// was, after the forward pass, even one that reads only forward values (a
+// gradient's forward-looking factor, such as 2 * (x - y) of a squared error).
+bool ReadsClonesWhenPinned(const TensorTable& table, const ControlFlowInfo& flow,
+                           int consumer);
+
 // The backward node among `consumer`'s direct data and control inputs that runs
 // last (by `position`, or the first found without one), or -1.
 int LatestBackwardInput(const TensorTable& table, const ControlFlowInfo& flow, int consumer,
                         const std::vector<int>* position = nullptr);
+
+// Which backward node a clone's trigger edge comes from, i.e. when the executor may
+// run the clone. Which placement lowers the peak depends on the graph; the planner
+// simulates them (plan/descent.cc, Evaluate).
+enum class ClonePlacement {
+  // The latest gradient-side input of the clone's earliest backward reader.
+  kAtReaderInput,
+  // That trigger's own latest backward input, where there is one: the executor can
+  // run the clone beside the reader's last gradient input instead of behind that
+  // input's other consumers.
+  kEarlier,
+  // The backward node that runs right before the reader in `order`: the clone runs
+  // just before its reader, where recomputation frees the most (Checkmate's
+  // placement). With the order pinned (plan/pin_order.h), the executor runs it
+  // exactly there.
+  kBeforeReader,
+};
 
 // Builds the rewrite for recomputing `nodes` (base node indices; forward, stateless,
 // outside control flow: the planner's job). Nodes whose clone nobody would read
@@ -103,19 +127,14 @@ int LatestBackwardInput(const TensorTable& table, const ControlFlowInfo& flow, i
 absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
                                    const ControlFlowInfo& flow,
                                    const std::vector<int>& nodes, RecomputeRewrite* rewrite,
-                                   bool early_triggers = false);
+                                   ClonePlacement placement = ClonePlacement::kAtReaderInput);
 
 // The same, applied to `table` in place (rewrite->table stays empty); `edit`
 // records how to take it back. The planner simulates candidate plans this way.
-// early_triggers: each clone is triggered one backward step earlier (by its
-// trigger's own latest backward input, where there is one), so that the executor
-// can run it beside the consumer's last gradient input instead of behind that
-// input's other consumers. Which placement lowers the peak depends on the graph;
-// the planner simulates both.
 absl::Status RecomputeInPlace(TensorTable* table, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& nodes,
                               RecomputeRewrite* rewrite, TableEdit* edit,
-                              bool early_triggers = false);
+                              ClonePlacement placement = ClonePlacement::kAtReaderInput);
 
 // Applies `rewrite` to `graph`, the GraphDef the base table was built from.
 absl::Status ApplyRecomputeRewrite(const RecomputeRewrite& rewrite,

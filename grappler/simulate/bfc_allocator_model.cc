@@ -88,6 +88,22 @@ void BfcAllocatorModel::InsertFree(int64_t address) {
   free_.insert({it->second.size, it->first});
 }
 
+int64_t BfcAllocatorModel::RoundedBytes(int64_t bytes) { return Rounded(bytes); }
+
+std::vector<BfcAllocatorModel::RegionChunks> BfcAllocatorModel::Regions(int64_t min_bytes) const {
+  std::vector<RegionChunks> regions(next_region_);
+  for (const auto& [address, chunk] : chunks_) {
+    RegionChunks& region = regions[chunk.region];
+    region.bytes += chunk.size;
+    region.chunks.emplace_back(address, chunk.size, chunk.in_use);
+  }
+  std::vector<RegionChunks> out;
+  for (RegionChunks& region : regions) {
+    if (region.bytes >= min_bytes) out.push_back(std::move(region));
+  }
+  return out;
+}
+
 void BfcAllocatorModel::Free(int64_t id) {
   if (id < 0) return;
   auto it = chunks_.find(id);

@@ -15,7 +15,9 @@
 #include <cstdint>
 #include <map>
 #include <set>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 namespace tfmemopt {
 
@@ -26,6 +28,20 @@ class BfcAllocatorModel {
   // Returns an id for the allocation, or -1 if BFC would run out of memory.
   int64_t Allocate(int64_t bytes);
   void Free(int64_t id);
+
+  // A region (an address range BFC got from its sub-allocator in one piece), its
+  // chunks in address order: (address, bytes, in use).
+  struct RegionChunks {
+    int64_t bytes = 0;
+    std::vector<std::tuple<int64_t, int64_t, bool>> chunks;
+  };
+  // The regions of at least `min_bytes`, in the order they were made.
+  std::vector<RegionChunks> Regions(int64_t min_bytes) const;
+  // The largest free chunk, and the bytes BFC may still add as regions.
+  int64_t largest_free_bytes() const { return free_.empty() ? 0 : free_.rbegin()->first; }
+  int64_t unallocated_bytes() const { return memory_limit_ - pool_; }
+  // What a request of `bytes` is rounded to.
+  static int64_t RoundedBytes(int64_t bytes);
 
   int64_t bytes_in_use() const { return in_use_; }
   int64_t peak_bytes_in_use() const { return peak_; }

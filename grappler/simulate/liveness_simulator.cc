@@ -383,9 +383,9 @@ class PeakSetListener : public Listener {
  public:
   PeakSetListener(const TensorTable& table, size_t peak_step, int device,
                   const std::vector<int>& device_of_buffer, Replay* replay,
-                  DeviceTimeline* timeline)
+                  std::vector<int>* live)
       : table_(table), peak_step_(peak_step), device_(device),
-        device_of_buffer_(device_of_buffer), replay_(replay), timeline_(timeline) {}
+        device_of_buffer_(device_of_buffer), replay_(replay), live_(live) {}
 
   void Step(size_t step) override {
     if (step != peak_step_) return;
@@ -394,7 +394,7 @@ class PeakSetListener : public Listener {
     for (size_t b = 0; b < device_of_buffer_.size(); ++b) {
       if (replay_->live(b) && device_of_buffer_[b] == device_ &&
           table_.buffers[b].released_by < 0) {
-        timeline_->live_at_peak.push_back(b);
+        live_->push_back(b);
       }
     }
   }
@@ -405,7 +405,7 @@ class PeakSetListener : public Listener {
   int device_;
   const std::vector<int>& device_of_buffer_;
   Replay* replay_;
-  DeviceTimeline* timeline_;
+  std::vector<int>* live_;
 };
 
 // Replays one device's allocations through the BFC model.
@@ -433,6 +433,7 @@ class AllocatorListener : public Listener {
       if (!table_.buffers[b].persistent && !table_.buffers[b].external) Freed(b);
       OldCopiesFreed(b);
     }
+    next_step_ = 0;
   }
 
   void Allocated(int b) override {
@@ -447,10 +448,12 @@ class AllocatorListener : public Listener {
   void Reused(int from, int to) override {
     chunk_[to] = chunk_[from];
     chunk_[from] = -2;
+    Own(chunk_[to], to);
   }
   void VariableCopied(int b) override {
     if (!Mine(b)) return;
     old_copies_[b].push_back(chunk_[b]);
+    Own(chunk_[b], -2);
     chunk_[b] = Allocate(b);
     step_bytes_ += table_.buffers[b].bytes;
   }
@@ -460,14 +463,17 @@ class AllocatorListener : public Listener {
   }
   void Step(size_t step) override {
     const int n = order_[step];
+    next_step_ = static_cast<int>(step);
     if (device_of_node_[n] == device_ && table_.nodes[n].temp_bytes > 0) {
       const int64_t chunk = allocator_->Allocate(table_.nodes[n].temp_bytes);
       if (chunk < 0) {
         Refused(table_.nodes[n].temp_bytes,
                 absl::StrCat("scratch of ", table_.nodes[n].def->name()));
       }
+      Measure();
       allocator_->Free(chunk);
     }
+    next_step_ = static_cast<int>(step) + 1;
     // The measured step, kernel by kernel, for benchmarks/trace_step_memory.py.
     if (VLOG_IS_ON(2) && log_) {
       const NodeInfo& node = table_.nodes[n];
@@ -478,9 +484,19 @@ class AllocatorListener : public Listener {
     step_bytes_ = 0;
   }
   void set_log(bool log) { log_ = log; }
+  // Whether the allocator's peak is being looked for (the measured steps).
+  void set_measuring(bool measuring) { measuring_ = measuring; }
   // The first allocation the model refused (0 bytes if none).
   int64_t refused_bytes() const { return refused_bytes_; }
   const std::string& refused() const { return refused_; }
+  int refused_step() const { return refused_step_; }
+  int peak_step() const { return peak_step_; }
+  // Fills the refusal's allocator state into `timeline`.
+  void DescribeRefusal(DeviceTimeline* timeline) const {
+    timeline->allocator_largest_free_bytes = largest_free_at_refusal_;
+    timeline->allocator_unallocated_bytes = unallocated_at_refusal_;
+    timeline->allocator_regions_at_refusal = regions_at_refusal_;
+  }
 
  private:
   void Refused(int64_t bytes, std::string what) {
@@ -488,6 +504,43 @@ class AllocatorListener : public Listener {
     if (bytes <= 0 || refused_bytes_ > 0) return;
     refused_bytes_ = bytes;
     refused_ = std::move(what);
+    refused_step_ = next_step_;
+    // BFC's state at the refusal: what would have to be freed, and where, for a
+    // chunk of this size to exist.
+    largest_free_at_refusal_ = allocator_->largest_free_bytes();
+    unallocated_at_refusal_ = allocator_->unallocated_bytes();
+    regions_at_refusal_.clear();
+    for (const auto& region : allocator_->Regions(BfcAllocatorModel::RoundedBytes(bytes))) {
+      std::vector<DeviceTimeline::RegionChunk> chunks;
+      for (const auto& [address, size, in_use] : region.chunks) {
+        int buffer = -1;
+        if (in_use) {
+          auto it = owner_.find(address);
+          buffer = it == owner_.end() ? -2 : it->second;
+        }
+        chunks.push_back({size, buffer});
+      }
+      regions_at_refusal_.push_back(std::move(chunks));
+    }
+  }
+
+  // The allocator's peak over the measured steps, and where it is reached.
+  void Measure() {
+    if (measuring_ && allocator_->bytes_in_use() > measured_peak_) {
+      measured_peak_ = allocator_->bytes_in_use();
+      peak_step_ = next_step_;
+    }
+  }
+
+  // Which buffer a chunk (address) holds memory for; -2: none of the graph's.
+  void Own(int64_t chunk, int buffer) {
+    if (chunk < 0) return;
+    owner_[chunk] = buffer;
+    auto it = pieces_.find(chunk);
+    if (it == pieces_.end()) return;
+    for (int64_t piece : it->second) {
+      if (piece >= 0) owner_[piece] = buffer;
+    }
   }
 
   bool Mine(int b) const { return device_of_buffer_[b] == device_; }
@@ -502,11 +555,18 @@ class AllocatorListener : public Listener {
       Refused(piece > 0 ? piece : buffer.bytes, table_.TensorName(buffer.owner));
       return first;
     }
+    owner_[first] = b;
+    Measure();
     if (piece <= 0) return first;
     std::vector<int64_t>& rest = pieces_[first];
     for (int64_t i = 1; i < buffer.pieces; ++i) {
       rest.push_back(allocator_->Allocate(piece));
-      if (rest.back() < 0) Refused(piece, table_.TensorName(buffer.owner));
+      if (rest.back() < 0) {
+        Refused(piece, table_.TensorName(buffer.owner));
+      } else {
+        owner_[rest.back()] = b;
+        Measure();
+      }
     }
     return first;
   }
@@ -514,10 +574,14 @@ class AllocatorListener : public Listener {
     if (chunk < 0) return;
     auto it = pieces_.find(chunk);
     if (it != pieces_.end()) {
-      for (int64_t piece : it->second) allocator_->Free(piece);
+      for (int64_t piece : it->second) {
+        allocator_->Free(piece);
+        owner_.erase(piece);
+      }
       pieces_.erase(it);
     }
     allocator_->Free(chunk);
+    owner_.erase(chunk);
   }
 
   const TensorTable& table_;
@@ -533,6 +597,14 @@ class AllocatorListener : public Listener {
   bool log_ = false;
   int64_t refused_bytes_ = 0;
   std::string refused_;
+  int next_step_ = 0;  // the step running (allocations come before its Step call)
+  bool measuring_ = false;
+  int64_t measured_peak_ = 0;
+  int peak_step_ = -1;
+  int refused_step_ = -1;
+  int64_t largest_free_at_refusal_ = 0, unallocated_at_refusal_ = 0;
+  std::vector<std::vector<DeviceTimeline::RegionChunk>> regions_at_refusal_;
+  absl::flat_hash_map<int64_t, int> owner_;  // chunk address -> buffer
 };
 
 int DeviceIndex(const std::vector<std::string>& devices, const std::string& device) {
@@ -610,11 +682,13 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
   for (size_t i = 0; i < topo.size(); ++i) topo_position[topo[i]] = static_cast<int>(i);
   // Data and control edges; an edge from a node that Grappler orders later is a
   // loop back edge.
-  std::vector<std::vector<int>> successors(num_nodes);
+  std::vector<std::vector<int>> successors(num_nodes), data_out(num_nodes),
+      control_out(num_nodes);
   std::vector<int> waiting(num_nodes, 0);
-  auto add_edge = [&](int from, int to) {
+  auto add_edge = [&](int from, int to, bool control) {
     if (topo_position[from] >= topo_position[to]) return;
     successors[from].push_back(to);
+    (control ? control_out : data_out)[from].push_back(to);
     ++waiting[to];
   };
   // The meta-optimizer ends by sorting the graph topologically (Grappler's
@@ -622,14 +696,16 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
   // whatever order the table's GraphDef had: node ids, out-edge lists and every tie
   // below follow that numbering.
   for (int n : topo) {
-    for (int t : table.nodes[n].inputs) add_edge(table.tensors[t].node, n);
-    for (int c : table.nodes[n].control_inputs) add_edge(c, n);
+    for (int t : table.nodes[n].inputs) add_edge(table.tensors[t].node, n, false);
+    for (int c : table.nodes[n].control_inputs) add_edge(c, n, true);
   }
   // (No cycle can come of these: nothing a loop takes in depends on what comes
   // out of it, and no node of a body depends on its own loop's Exit.)
+  // A barrier is an ordering edge, no data: activated with the control edges.
   AddLoopBarriers(table, [&](int from, int to) {
     if (from == to) return;
     successors[from].push_back(to);
+    control_out[from].push_back(to);
     ++waiting[to];
   });
   // Distance (in edges) to the nearest variable update.
@@ -699,16 +775,23 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
       inline_ready.pop_front();
       order->push_back(n);
       ready_expensive.clear();
-      for (int s : successors[n]) {
-        if (--waiting[s] != 0) continue;
+      auto activate = [&](int s) {
+        if (--waiting[s] != 0) return;
         if (expensive[s]) {
           ready_expensive.push_back(s);
         } else {
           inline_ready.push_back(s);
         }
-      }
-      if (ready_expensive.empty()) continue;
+      };
+      // Successors made ready by data edges, ranked; then those made ready by
+      // control edges, which TF's executor activates after the data edges
+      // (ActivateNodes), so the last of them is the one it runs inline: a recompute
+      // or swap-in that tfmemopt triggers by a control edge runs right after its
+      // trigger.
+      for (int s : data_out[n]) activate(s);
       std::sort(ready_expensive.begin(), ready_expensive.end(), inline_last);
+      for (int s : control_out[n]) activate(s);
+      if (ready_expensive.empty()) continue;
       if (inline_ready.empty()) {
         inline_ready.push_back(ready_expensive.back());
         ready_expensive.pop_back();
@@ -770,7 +853,8 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
   for (int d = 0; d < num_devices; ++d) {
     DeviceTimeline& device = result->devices[d];
     if (device.peak_step < 0) continue;
-    PeakSetListener peak(table, device.peak_step, d, device_of_buffer, &replay, &device);
+    PeakSetListener peak(table, device.peak_step, d, device_of_buffer, &replay,
+                         &device.live_at_peak);
     replay.Run(device.peak_step, &peak);
   }
 
@@ -787,6 +871,7 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     for (int step = 0; step < warmup + measured; ++step) {
       allocator.ResetPeak();
       listener.set_log(step == warmup + measured - 1);
+      listener.set_measuring(step >= warmup);
       replay.Run(order.size(), &listener);
       listener.EndStep();
       if (step < warmup) continue;
@@ -796,15 +881,28 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     }
     device.allocator_refused_bytes = listener.refused_bytes();
     device.allocator_refused = listener.refused();
+    device.allocator_peak_step = listener.peak_step();
+    device.allocator_refused_step = listener.refused_step();
+    if (device.allocator_refused_bytes > 0) listener.DescribeRefusal(&device);
+    // The buffers live where the allocator peaks and where it refuses.
+    for (auto [at, live] : {std::make_pair(device.allocator_peak_step, &device.live_at_allocator_peak),
+                            std::make_pair(device.allocator_refused_step, &device.live_at_refusal)}) {
+      if (at < 0) continue;
+      PeakSetListener set(table, at, d, device_of_buffer, &replay, live);
+      replay.Run(at, &set);
+    }
   }
+  auto largest_first = [&](int a, int b) {
+    if (table.buffers[a].bytes != table.buffers[b].bytes) {
+      return table.buffers[a].bytes > table.buffers[b].bytes;
+    }
+    return a < b;
+  };
   for (DeviceTimeline& timeline : result->devices) {
-    std::sort(timeline.live_at_peak.begin(), timeline.live_at_peak.end(),
-              [&](int a, int b) {
-                if (table.buffers[a].bytes != table.buffers[b].bytes) {
-                  return table.buffers[a].bytes > table.buffers[b].bytes;
-                }
-                return a < b;
-              });
+    for (std::vector<int>* live : {&timeline.live_at_peak, &timeline.live_at_allocator_peak,
+                                   &timeline.live_at_refusal}) {
+      std::sort(live->begin(), live->end(), largest_first);
+    }
   }
   return absl::OkStatus();
 }

@@ -55,6 +55,25 @@ struct DeviceTimeline {
   // must fit in one of its regions (which start at 2 MiB, double and never merge).
   int64_t allocator_refused_bytes = 0;
   std::string allocator_refused;  // the tensor, or "scratch of <node>"
+  // Where the allocator model's peak and its first refusal happen, for the planner
+  // to act there (plan/objective.h): the step of the order, and the buffers live at
+  // that step (as live_at_peak lists them; -1 and empty when there is none).
+  int allocator_peak_step = -1;
+  std::vector<int> live_at_allocator_peak;
+  int allocator_refused_step = -1;
+  std::vector<int> live_at_refusal;
+  // At the refusal: the largest free chunk, the bytes BFC could still add as new
+  // regions, and the regions large enough to hold the request, each as its chunks
+  // in address order (bytes, and the buffer whose chunk it is: a buffer index, -1
+  // for a free chunk, -2 for memory no graph buffer owns, such as an old copy of an
+  // updated variable).
+  int64_t allocator_largest_free_bytes = 0;
+  int64_t allocator_unallocated_bytes = 0;
+  struct RegionChunk {
+    int64_t bytes = 0;
+    int buffer = -1;
+  };
+  std::vector<std::vector<RegionChunk>> allocator_regions_at_refusal;
 
   // Host bytes held off the device by swapped-out tensors at each step (filled by
   // the report, empty when nothing is swapped).

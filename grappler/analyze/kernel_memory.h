@@ -1,0 +1,35 @@
+// Analyze: memory TF's kernels allocate beyond their graph outputs.
+//
+// A kernel may allocate scratch while it runs (OpKernelContext::allocate_temp),
+// and a oneDNN kernel may hand a buffer to a later kernel outside the graph (a
+// workspace). Neither is a graph tensor, but both count in the allocator's peak.
+// Each effect modelled here is named after the TF kernel it comes from, with
+// the source it was read from, and pinned by a test in tests/test_memory_model.py:
+//
+//  * MaxPoolGrad (Eigen, without oneDNN): a copy of the pooled output and its
+//    int64 argmax as scratch (maxpooling_op.cc);
+//  * MaxPool with oneDNN: a workspace output read by MaxPoolGrad
+//    (mkl_maxpooling_op.cc);
+//  * Einsum: transposed copies of the operands, the contraction's result before
+//    its transpose to the output's layout, reduced and strided copies
+//    (linalg/einsum_op_impl.h).
+#ifndef TFMEMOPT_GRAPPLER_ANALYZE_KERNEL_MEMORY_H_
+#define TFMEMOPT_GRAPPLER_ANALYZE_KERNEL_MEMORY_H_
+
+#include "grappler/analyze/tensor_table.h"
+#include "tensorflow/core/grappler/costs/graph_properties.h"
+
+namespace tfmemopt {
+
+// Sets NodeInfo::temp_bytes: the most scratch each kernel holds at once, beyond
+// its outputs. Runs once the table's tensors and edges exist.
+void EstimateKernelScratch(const tensorflow::grappler::GraphProperties& properties,
+                           TensorTable* table);
+
+// Adds the buffers kernels hand to later kernels outside the graph
+// (NodeInfo::extra_buffers), once the table's buffers exist.
+void AddKernelBuffers(TensorTable* table);
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_ANALYZE_KERNEL_MEMORY_H_

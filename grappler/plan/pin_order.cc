@@ -1,0 +1,105 @@
+#include "grappler/plan/pin_order.h"
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "grappler/rewrite/loop_swap.h"
+#include "grappler/simulate/liveness_simulator.h"
+#include "tensorflow/core/grappler/op_types.h"
+
+namespace tfmemopt {
+namespace {
+
+// Whether `n` may be made to wait for another node. (ControlFlowInfo knows the
+// base table's nodes; the loop swap's copies, added inside loop frames, are under
+// control flow too.)
+bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n) {
+  const tensorflow::NodeDef& def = *table.nodes[n].def;
+  if (flow.Under(n) || tensorflow::grappler::IsControlFlow(def) || IsLoopSwapNode(def)) {
+    return false;
+  }
+  const std::string& op = def.op();
+  return op != "_Arg" && op != "Placeholder" && op != "PlaceholderWithDefault";
+}
+
+// Whether `ancestor` is `node` or runs before it by some path of data or control
+// edges (back edges of loops included: they only add paths). An edge from `node`
+// to `ancestor` would then close a cycle.
+bool Reaches(const TensorTable& table, int ancestor, int node) {
+  std::vector<bool> seen(table.nodes.size(), false);
+  std::vector<int> stack = {node};
+  seen[node] = true;
+  while (!stack.empty()) {
+    const int n = stack.back();
+    stack.pop_back();
+    if (n == ancestor) return true;
+    auto visit = [&](int m) {
+      if (m >= 0 && !seen[m]) {
+        seen[m] = true;
+        stack.push_back(m);
+      }
+    };
+    for (int t : table.nodes[n].inputs) visit(table.tensors[t].node);
+    for (int c : table.nodes[n].control_inputs) visit(c);
+  }
+  return false;
+}
+
+}  // namespace
+
+absl::Status PinOrder(TensorTable* table, const ControlFlowInfo& flow,
+                      const std::vector<int>& target, int max_edges, TableEdit* edit,
+                      PinnedOrder* pinned, std::vector<int>* order) {
+  pinned->edges.clear();
+  pinned->complete = false;
+  if (target.size() != table->nodes.size()) {
+    return absl::InvalidArgumentError("pin order: the target does not cover the graph");
+  }
+  while (true) {
+    absl::Status status = ExecutorOrder(*table, order);
+    if (!status.ok()) return status;
+    size_t i = 0;
+    while (i < target.size() && (*order)[i] == target[i]) ++i;
+    if (i == target.size()) {
+      pinned->complete = true;
+      return absl::OkStatus();
+    }
+    if (static_cast<int>(pinned->edges.size()) >= max_edges) return absl::OkStatus();
+    const int early = (*order)[i], due = target[i];
+    if (!MayWait(*table, flow, early) || flow.Under(due) ||
+        tensorflow::grappler::IsControlFlow(*table->nodes[due].def) ||
+        IsLoopSwapNode(*table->nodes[due].def) ||
+        Reaches(*table, early, due)) {
+      return absl::OkStatus();
+    }
+    if (edit != nullptr) edit->SaveControlInputs(*table, early);
+    table->nodes[early].control_inputs.push_back(due);
+    pinned->edges.push_back({due, early});
+  }
+}
+
+std::vector<std::pair<std::string, std::string>> PinnedEdgeNames(const TensorTable& table,
+                                                                 const PinnedOrder& pinned) {
+  std::vector<std::pair<std::string, std::string>> names;
+  for (const auto& [from, to] : pinned.edges) {
+    names.push_back({table.nodes[from].def->name(), table.nodes[to].def->name()});
+  }
+  return names;
+}
+
+absl::Status ApplyPinnedEdges(const std::vector<std::pair<std::string, std::string>>& edges,
+                              tensorflow::GraphDef* graph) {
+  if (edges.empty()) return absl::OkStatus();
+  absl::flat_hash_map<std::string, int> index;
+  for (int i = 0; i < graph->node_size(); ++i) index[graph->node(i).name()] = i;
+  for (const auto& [from, to] : edges) {
+    auto f = index.find(from);
+    auto t = index.find(to);
+    if (f == index.end() || t == index.end()) {
+      return absl::InternalError(absl::StrCat("pin order: no node ", f == index.end() ? from : to));
+    }
+    graph->mutable_node(t->second)->add_input(absl::StrCat("^", from));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tfmemopt

@@ -1,0 +1,63 @@
+// Plan: pins TF's executor to an order with control edges, so that what a plan adds
+// (a recomputation's clone, a swap's copies) runs where the plan placed it.
+//
+// Without them, TF's executor runs a node as soon as it is ready, by its own rules
+// (emulated by ExecutorOrder): a clone triggered by its reader's last gradient
+// input can run well before the reader, past other large steps, and hold its output
+// there; the nodes around it can move too. A plan costed on "each clone runs right
+// before its reader, everything else as before" (Checkmate's model, and the
+// cheapest placement for memory) is only what runs if the order is enforced, as the
+// scheduling stage (plan/schedule.h) enforces its own edges.
+//
+// Edges are found one at a time: the first step where the emulated executor order
+// differs from the target, the node it runs there too early waits for the target's
+// node. The target is a topological order of the graph with every edge added, so no
+// edge closes a cycle. Nodes under control flow (a control edge cannot cross a
+// frame; the loop swap's copies included) and inputs are never made to wait, and no edge is added from a node that
+// the waiting node runs before (in graphs with loops the emulated executor order
+// need not follow every path); the pinning then stops, incomplete.
+#ifndef TFMEMOPT_GRAPPLER_PLAN_PIN_ORDER_H_
+#define TFMEMOPT_GRAPPLER_PLAN_PIN_ORDER_H_
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "grappler/analyze/control_flow.h"
+#include "grappler/analyze/tensor_table.h"
+#include "grappler/rewrite/recompute_pass.h"
+#include "tensorflow/core/framework/graph.pb.h"
+
+namespace tfmemopt {
+
+struct PinnedOrder {
+  // Control edges added to the table, as (from, to) node indices: `to` waits for
+  // `from`.
+  std::vector<std::pair<int, int>> edges;
+  // The executor order of the table with the edges equals the target.
+  bool complete = false;
+};
+
+// Adds control edges to `table` (recorded in `edit` when given, to take back)
+// until ExecutorOrder(*table) is `target`, or `max_edges` are added, or a node that
+// may not wait would have to. `order` receives the table's executor order with the
+// edges added.
+absl::Status PinOrder(TensorTable* table, const ControlFlowInfo& flow,
+                      const std::vector<int>& target, int max_edges, TableEdit* edit,
+                      PinnedOrder* pinned, std::vector<int>* order);
+
+// How many edges a plan that added `added` nodes may pin its order with.
+inline int PinEdgeLimit(int added) { return 16 + 4 * added; }
+
+// The edges as (from, to) node names, to add to a GraphDef.
+std::vector<std::pair<std::string, std::string>> PinnedEdgeNames(const TensorTable& table,
+                                                                 const PinnedOrder& pinned);
+
+// Adds named control edges (to waits for from) to `graph`.
+absl::Status ApplyPinnedEdges(const std::vector<std::pair<std::string, std::string>>& edges,
+                              tensorflow::GraphDef* graph);
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_PLAN_PIN_ORDER_H_
