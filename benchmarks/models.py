@@ -271,3 +271,38 @@ MODELS = {
     "text_cnn": text_cnn,
     "v1_session_cnn": v1_session_cnn,
 }
+
+
+# --- Recurrent models (issue 19, branch `loops`) -------------------------------------
+# Kept in a block of their own (other branches add model families above). Keras
+# LSTM/GRU train through control flow v2 (a While whose gradient loop reads the
+# forward loop's TensorList accumulators); the models stack two layers so that the
+# second layer's accumulators and the first layer's sequence output are both live.
+
+
+def _stacked_rnn(layer, batch, steps, features, units, seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    model = tf.keras.Sequential([
+        tf.keras.Input((steps, features)),
+        layer(units, return_sequences=True),
+        layer(units),
+        tf.keras.layers.Dense(10),
+    ])
+    return _train_step(model, _XENT), _classification_batch(batch, (steps, features), 10)
+
+
+def stacked_lstm(batch=64, steps=150, features=64, units=256):
+    """Two stacked LSTM(units) layers over `steps` steps, dense 10."""
+    return _stacked_rnn(tf.keras.layers.LSTM, batch, steps, features, units)
+
+
+def stacked_gru(batch=64, steps=200, features=64, units=256):
+    """Two stacked GRU(units) layers over `steps` steps, dense 10 (issue 19's model)."""
+    return _stacked_rnn(tf.keras.layers.GRU, batch, steps, features, units)
+
+
+RECURRENT_MODELS = {
+    "stacked_lstm": stacked_lstm,
+    "stacked_gru": stacked_gru,
+}
+MODELS.update(RECURRENT_MODELS)  # peak_accuracy.py measures them too

@@ -58,6 +58,9 @@ struct MemoryOptimizerOptions {
   int swapin_lead_ops = 0;
   int swapin_lag_ops = 0;
   bool fuse_swapins = true;
+  // Stand-in for the trip count of a loop whose condition does not give it; 0
+  // leaves such loops unsized.
+  int64_t assume_trip_count = 0;
   // Test-only: name of the stage that must fail ("" = none).
   std::string test_only_fail_stage;
 };

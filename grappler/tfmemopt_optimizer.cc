@@ -17,6 +17,7 @@
 #include "grappler/plan/memory_planner.h"
 #include "grappler/plan/schedule.h"
 #include "grappler/plan/split_choice.h"
+#include "grappler/report/loop_report.h"
 #include "grappler/report/memory_report.h"
 #include "grappler/report/table_export.h"
 #include "grappler/rewrite/recompute_pass.h"
@@ -467,30 +468,40 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     return absl::OkStatus();
   });
   if (!status.ok()) return status;
+  {
+    // The plan's list indices are the planned table's (the split graph's when split).
+    const MemoryPlannerOptions planner = PlannerOptions(options, devices, table.devices);
+    FillLoopReport(*planned_table, plan.loop_swap_lists, report->swap.planned,
+                   SwapBandwidth(*planned_table, planner), &report->loops);
+  }
 
   status = stages->Run("rewrite", [&] {
     const RecomputeRewrite& recompute = rewrite.recompute;
     const SwapRewrite& swap = rewrite.swap;
     if (split.applied) *output = split.item->graph;
-    if (recompute.cloned.empty() && swap.swapped.empty()) return absl::OkStatus();
+    if (recompute.cloned.empty() && swap.swapped.empty() && rewrite.loop_swap.swapped.empty()) {
+      return absl::OkStatus();
+    }
     for (int n : recompute.cloned) {
       report->recompute.nodes.push_back(planned_table->nodes[n].def->name());
     }
     report->recompute.num_triggers = recompute.num_triggers;
     report->recompute.added_seconds = recompute.added_seconds;
-    for (int t : swap.swapped) report->swap.tensors.push_back(swap.table.TensorName(t));
+    for (int t : swap.swapped) report->swap.tensors.push_back(rewrite.table().TensorName(t));
     report->swap.num_swap_out = swap.num_swap_out;
     report->swap.num_swap_in = swap.num_swap_in;
     report->swap.bytes_to_host = swap.bytes_to_host;
     report->swap.copy_seconds = swap.copy_seconds;
     report->swap.host_peak_bytes = 0;
-    HostBytesTimeline(swap.table, swap.order, &report->swap.host_peak_bytes);
+    report->loop_swap_nodes = rewrite.loop_swap.num_swap_out + rewrite.loop_swap.num_swap_in;
+    HostBytesTimeline(rewrite.table(), rewrite.order(), &report->swap.host_peak_bytes);
     report->plan_choice.order_edges = rewrite.pin_edges;
     return ApplyPlannedRewrite(rewrite, output);
   });
   if (!status.ok()) return status;
   report->graph_changed = !rewrite.recompute.cloned.empty() || !rewrite.swap.swapped.empty() ||
-                          !schedule.edges.empty() || split.applied;
+                          !rewrite.loop_swap.swapped.empty() || !schedule.edges.empty() ||
+                          split.applied;
 
   // Verify: the output is a valid graph, and analyzed afresh (its own shapes, its own
   // order) it peaks no higher than the original did.
@@ -539,7 +550,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       report->timeline.push_back(final_simulation.devices[index]);
     }
     report->devices = std::move(devices);
-    if (changed && !rewrite.swap.swapped.empty()) {
+    if (changed && (!rewrite.swap.swapped.empty() || !rewrite.loop_swap.swapped.empty())) {
       int64_t host_peak = 0;
       const std::vector<int64_t> host = HostBytesTimeline(after_table, after_order, &host_peak);
       for (DeviceTimeline& timeline : report->timeline) timeline.host_bytes = host;

@@ -156,6 +156,13 @@ def draw_spec(c):
         config["scopes"] = sorted({f"block_{c.integer(0, len(blocks) - 1)}"
                                    for _ in range(c.integer(1, 3))})
     spec["config"] = config
+    # A recurrent block (issue 19: loops and the lists they fill), drawn last, so
+    # that every earlier choice of a seed stays what it was.
+    if kind == "dense" and c.integer(0, 3) == 0:
+        spec["blocks"].insert(c.integer(0, len(blocks)), {
+            "type": "rnn", "form": c.choice(["while", "scan"]), "steps": c.integer(2, 12),
+            "units": c.integer(1, 48), "act": c.choice(["tanh", "sigmoid", "relu"]),
+            "readout": c.choice(["last", "mean"])})
     return spec
 
 
@@ -323,6 +330,8 @@ class Model:
             return tf.where(mask >= b["rate"], h / (1 - b["rate"]), tf.zeros_like(h))
         if kind == "batch_center":
             return h - tf.reduce_mean(h, axis=0, keepdims=True)
+        if kind == "rnn":
+            return self._rnn(b, h)
         # Image blocks.
         if kind == "conv":
             return self._conv(h, b["filters"], b["kernel"], b["stride"], b["padding"], b["act"],
@@ -343,6 +352,36 @@ class Model:
         if kind == "global_pool":
             return tf.reduce_mean(h, axis=[1, 2])
         raise ValueError(f"unknown block {kind}")
+
+    def _rnn(self, b, h):
+        """A recurrent layer over `steps` scaled copies of h: a tf.while_loop writing a
+        TensorArray, or tf.scan; its gradient loop pops what the forward loop pushed."""
+        tf = self.tf
+        if h.shape.rank != 2:
+            h = tf.reshape(h, [self.spec["batch"], -1])
+        steps, units = b["steps"], b["units"]
+        w = self._weight([h.shape[-1], units])
+        u = self._weight([units, units])
+        scales = tf.reshape(tf.range(1, steps + 1, dtype=tf.float32) / steps, [steps, 1, 1])
+        xs = tf.tile(h[None], [steps, 1, 1]) * scales
+
+        def cell(prev, x):
+            return self._act(tf.matmul(x, w) + tf.matmul(prev, u), b["act"])
+
+        init = tf.zeros([self.spec["batch"], units])
+        if b["form"] == "scan":
+            outputs = tf.scan(cell, xs, initializer=init)
+        else:
+            array = tf.TensorArray(tf.float32, size=steps)
+
+            def body(t, prev, array):
+                state = cell(prev, xs[t])
+                return t + 1, state, array.write(t, state)
+
+            _, _, array = tf.while_loop(lambda t, prev, array: t < steps, body,
+                                        [tf.constant(0), init, array])
+            outputs = array.stack()
+        return outputs[-1] if b["readout"] == "last" else tf.reduce_mean(outputs, axis=0)
 
     def _losses(self, taps):
         tf = self.tf

@@ -45,6 +45,10 @@ bool SplitNeverRunNodes(const GrapplerItem& item, GrapplerItem* executed,
   };
   for (const std::string& fetch : item.fetch) reach(fetch);
   for (const std::string& keep : item.keep_ops) reach(keep);
+  // A fed node is one Grappler must keep (GrapplerItem::NodesToPreserve), even
+  // when nothing reads it: a function's argument the body ignores (an unused loop
+  // bound) is still an argument. Its value is given, so its inputs are not reached.
+  for (const auto& feed : item.feed) reach(feed.first);
   // A function's body keeps its side effects unless Grappler may prune them.
   if (!item.optimization_options().allow_pruning_stateful_and_dataset_ops) {
     for (const NodeDef& node : graph.node()) {

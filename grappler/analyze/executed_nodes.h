@@ -16,7 +16,7 @@
 namespace tfmemopt {
 
 // Splits `item` into the item the step runs (`executed`: the transitive fan-in,
-// over data and control edges, of the fetches and of the nodes Grappler must keep,
+// over data and control edges, of the fetches, the fed nodes and the nodes Grappler must keep,
 // stopping at fed tensors) and the nodes it never runs (`never_run`, in graph
 // order). Returns false, leaving both empty, when every node runs or when the item
 // names no fetch (nothing to prune against).

@@ -4,6 +4,7 @@
 #include <deque>
 #include <set>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -31,7 +32,8 @@ using tensorflow::grappler::GrapplerItem;
 
 // ReadVariableOp hands out the variable's own buffer (copy-on-write); loop
 // plumbing (Enter/Merge/Switch/NextIteration/Exit) and the TensorList update ops
-// pass their buffer through.
+// pass their buffer through, and an element taken from a list is part of the
+// list's storage.
 int ForwardedInput(const NodeDef& node, int port) {
   static const auto* same_port = new std::set<std::string>{
       "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
@@ -44,6 +46,9 @@ int ForwardedInput(const NodeDef& node, int port) {
       "TensorListSetItem", "TensorListPopBack"};
   if (same_port->count(node.op())) return port;
   if (node.op() == "Switch" || node.op() == "RefSwitch") return 0;  // both branches
+  // An element read or popped from a TensorList is the list's own tensor (the
+  // kernels hand out the stored Tensor, sharing its buffer).
+  if (node.op() == "TensorListGetItem" || node.op() == "TensorListPopBack") return 0;
   if (first_output->count(node.op())) return port == 0 ? 0 : -1;
   // Updates of a reference variable (tf.compat.v1 variables: Assign*, Apply* and
   // Scatter*) hand out the variable itself, input 0, as their output.
@@ -102,22 +107,6 @@ bool SliceIsView(const NodeDef& node, const GraphProperties& properties) {
   const int64_t element = tensorflow::DataTypeSize(inputs[0].dtype());
   if (element == 0 || in.dim(0).size() == 0) return false;
   return (inner * element) % EIGEN_MAX_ALIGN_BYTES == 0 || in.dim(0).size() == out.dim(0).size();
-}
-
-// Integer contents of a Const node, or false.
-bool ConstInts(const NodeDef& node, std::vector<int64_t>* values) {
-  if (node.op() != "Const" || !node.attr().count("value")) return false;
-  tensorflow::Tensor tensor;
-  if (!tensor.FromProto(node.attr().at("value").tensor())) return false;
-  values->clear();
-  if (tensor.dtype() == tensorflow::DT_INT32) {
-    for (int64_t i = 0; i < tensor.NumElements(); ++i) values->push_back(tensor.flat<int32_t>()(i));
-  } else if (tensor.dtype() == tensorflow::DT_INT64) {
-    for (int64_t i = 0; i < tensor.NumElements(); ++i) values->push_back(tensor.flat<int64_t>()(i));
-  } else {
-    return false;
-  }
-  return true;
 }
 
 // Gradient code is named by tf.gradients ("gradients/") or GradientTape
@@ -350,64 +339,69 @@ bool StartsListInstance(const TensorTable& table, const NodeInfo& node) {
   return IsListCreator(*table.nodes[table.tensors[node.inputs[0]].node].def);
 }
 
-// Follows `tensor` back through ops that forward their input's buffer. Returns
-// true if the chain passes a Merge (a loop-carried value: a new tensor in every
-// iteration, whatever buffer the first iteration's value had), and sets
-// *from_list if it starts at an element taken from a TensorList (which shares
-// the list's storage).
-bool LoopCarried(const TensorTable& table, int tensor, bool* from_list) {
-  *from_list = false;
-  for (size_t hops = 0; hops < table.tensors.size(); ++hops) {
-    const TensorInfo& t = table.tensors[tensor];
-    const NodeInfo& producer = table.nodes[t.node];
-    const std::string& op = producer.def->op();
-    if (op == "Merge" || op == "RefMerge") return true;
-    if (op == "TensorListGetItem" || (op == "TensorListPopBack" && t.port == 1)) {
-      *from_list = true;
-      return false;
-    }
-    const int source = ForwardedInput(*producer.def, t.port);
-    if (source < 0 || source >= static_cast<int>(producer.inputs.size())) return false;
-    tensor = producer.inputs[source];
+// Sizes each list instance a loop fills (LoopAnalysis) as capacity x the bytes of
+// the item pushed into it, in `pieces` of one item each (TF allocates every
+// element on its own). An item pushed as is holds no memory of its own when it is
+// a variable read or a constant (the list references their buffer) or an element
+// of another list, whose buffer the instance then holds until it is freed itself;
+// a loop-carried item is new in every iteration, whatever its first value was.
+// Items swapped out (TfMemSwapOut) are held in host memory. Elements popped back
+// (TensorListPopBack, port 1) are the pushed items. Instances whose capacity or
+// item size is unknown stay unresolved.
+void BindLoopLists(TensorTable* table) {
+  std::vector<std::vector<int>> tensors_of_buffer(table->buffers.size());
+  for (size_t t = 0; t < table->tensors.size(); ++t) {
+    tensors_of_buffer[table->tensors[t].buffer].push_back(static_cast<int>(t));
   }
-  return false;
+  for (const ListInstance& list : table->loops.lists) {
+    if (list.item < 0) continue;  // filled by no write in its loop: holds nothing
+    BufferInfo& buffer = table->buffers[list.buffer];
+    const TensorInfo& item = table->tensors[list.item];
+    const bool known = list.capacity >= 0 && item.size_known;
+    const int64_t bytes = known && !list.referenced ? list.capacity * item.bytes : 0;
+    const bool host = table->nodes[item.node].def->op() == kSwappedOutOp;
+    buffer.bytes = host ? 0 : bytes;
+    buffer.host_bytes = host ? bytes : 0;
+    buffer.pieces = std::max<int64_t>(list.capacity, 1);
+    buffer.allocated_by = list.pushes.empty() ? -1 : list.pushes.front();
+    buffer.drained_by = list.pops.empty() ? -1 : list.pops.front();
+    if (list.referenced && !table->buffers[item.buffer].persistent &&
+        item.buffer != list.buffer) {
+      table->buffers[item.buffer].held_by.push_back(list.buffer);
+    }
+    for (int t : tensors_of_buffer[list.buffer]) {
+      TensorInfo& tensor = table->tensors[t];
+      if (tensor.dtype == tensorflow::DT_VARIANT) {
+        tensor.size_known = known;
+        tensor.bytes = t == buffer.owner ? bytes : 0;
+      }
+    }
+    for (int pop : list.pops) {
+      const NodeInfo& node = table->nodes[pop];
+      if (node.outputs.size() < 2) continue;
+      TensorInfo& element = table->tensors[node.outputs[1]];
+      element.bytes = item.bytes;
+      element.size_known = item.size_known;
+    }
+  }
 }
 
-// Sizes each list instance as capacity x the bytes of the item pushed into it.
-// An item pushed as is holds no memory of its own when it is a variable read or a
-// constant (the list references their buffer) or an element of another list; a
-// loop-carried item is new in every iteration, whatever its first value was.
-void BindLoopLists(TensorTable* table) {
+// ZerosLike of a TensorList (TensorListZerosLike: the gradient's initial value for
+// a list a loop carries) allocates a zero tensor on the device for every element
+// of its input, wherever that input's elements are.
+void SizeZerosLikeLists(TensorTable* table) {
   for (const NodeInfo& node : table->nodes) {
-    const std::string& op = node.def->op();
-    // PushBack(list, item), SetItem(list, index, item).
-    const size_t item_port = op == "TensorListPushBack"  ? 1
-                             : op == "TensorListSetItem" ? 2
-                                                         : 0;
-    if (item_port == 0 || node.inputs.size() <= item_port) continue;
-    BufferInfo& list = table->buffers[table->tensors[node.inputs[0]].buffer];
-    const NodeInfo& owner = table->nodes[table->tensors[list.owner].node];
-    if (!StartsListInstance(*table, owner)) continue;
-    const NodeInfo& creator = table->nodes[table->tensors[owner.inputs[0]].node];
-    std::vector<int64_t> count;
-    if (creator.inputs.size() < 2 ||
-        !ConstInts(*table->nodes[table->tensors[creator.inputs[1]].node].def, &count) ||
-        count.size() != 1 || count[0] < 0) {
-      table->tensors[list.owner].size_known = false;
-      continue;
-    }
-    const int item_tensor = node.inputs[item_port];
-    const TensorInfo& item = table->tensors[item_tensor];
-    bool from_list = false;
-    const bool carried = LoopCarried(*table, item_tensor, &from_list);
-    const bool referenced = from_list || (!carried && table->buffers[item.buffer].persistent);
-    const int64_t item_bytes = referenced ? 0 : item.bytes;
-    if (count[0] * item_bytes > list.bytes) {
-      list.bytes = count[0] * item_bytes;
-      list.pieces = std::max<int64_t>(count[0], 1);
-    }
-    table->tensors[list.owner].bytes = list.bytes;
-    if (!item.size_known) table->tensors[list.owner].size_known = false;
+    if (node.def->op() != "ZerosLike" || node.inputs.empty() || node.outputs.empty()) continue;
+    const TensorInfo& input = table->tensors[node.inputs[0]];
+    TensorInfo& output = table->tensors[node.outputs[0]];
+    if (input.dtype != tensorflow::DT_VARIANT || output.buffer < 0) continue;
+    const BufferInfo& source = table->buffers[input.buffer];
+    BufferInfo& buffer = table->buffers[output.buffer];
+    if (buffer.owner != node.outputs[0]) continue;
+    buffer.bytes = source.bytes + source.host_bytes;
+    buffer.pieces = source.pieces;
+    output.bytes = buffer.bytes;
+    output.size_known = table->tensors[source.owner].size_known;
   }
 }
 
@@ -747,7 +741,21 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
     tensor.buffer = static_cast<int>(table->buffers.size());
     table->buffers.push_back(buffer);
   }
+  absl::Status loops = AnalyzeLoops(graph, *table, options.assume_trip_count, &table->loops);
+  if (!loops.ok()) return loops;
   BindLoopLists(table);
+  SizeZerosLikeLists(table);
+  // A variant passed along (a list through a loop's plumbing) is the buffer of
+  // the one it aliases, sized above if that one is.
+  for (size_t t = 0; t < table->tensors.size(); ++t) {
+    TensorInfo& tensor = table->tensors[t];
+    const int owner = table->buffers[tensor.buffer].owner;
+    if (tensor.dtype == tensorflow::DT_VARIANT && !tensor.size_known &&
+        owner != static_cast<int>(t) && table->tensors[owner].dtype == tensorflow::DT_VARIANT &&
+        table->tensors[owner].size_known) {
+      tensor.size_known = true;
+    }
+  }
   BindReusableInputs(table);
   BindUpdatedVariables(table);
   AddKernelBuffers(table);
@@ -755,7 +763,9 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
     if (!table->tensors[t].size_known) {
       table->unresolved_tensors.push_back(t);
       VLOG(2) << "unresolved " << table->TensorName(t) << " ("
-              << table->nodes[table->tensors[t].node].def->op() << ")";
+              << table->nodes[table->tensors[t].node].def->op() << ", "
+              << tensorflow::DataTypeString(table->tensors[t].dtype) << ", "
+              << table->tensors[t].bytes << " bytes)";
     }
   }
   return absl::OkStatus();
@@ -794,13 +804,53 @@ const tensorflow::TensorShapeProto* OutputShape(const GraphProperties& propertie
   return &outputs[t.port].shape();
 }
 
+// The shape of the variable behind resource tensor `handle`: from the handle's
+// producer (a VarHandleOp's shape, a function argument's _handle_shapes), else as
+// a ReadVariableOp of it sees it (also through the Enter nodes that bring the
+// handle into a loop). Null if none is fully defined.
+const tensorflow::TensorShapeProto* VariableShapeOf(const TensorTable& table,
+                                                   const GraphProperties& properties,
+                                                   int handle) {
+  const NodeDef& producer = *table.nodes[table.tensors[handle].node].def;
+  for (const char* attr : {"shape", "_handle_shapes"}) {
+    if (!producer.attr().count(attr)) continue;
+    const tensorflow::AttrValue& value = producer.attr().at(attr);
+    const tensorflow::TensorShapeProto* shape =
+        value.has_shape() ? &value.shape()
+        : value.list().shape_size() == 1 ? &value.list().shape(0)
+                                          : nullptr;
+    if (shape != nullptr && FullyDefined(*shape)) return shape;
+  }
+  std::vector<int> handles = {handle};
+  for (size_t i = 0; i < handles.size() && i < 64; ++i) {
+    for (int reader : table.tensors[handles[i]].consumers) {
+      const NodeInfo& node = table.nodes[reader];
+      if (node.def->op() == "Enter" || node.def->op() == "Identity") {
+        handles.insert(handles.end(), node.outputs.begin(), node.outputs.begin() + 1);
+        continue;
+      }
+      if (node.def->op() != "ReadVariableOp") continue;
+      const tensorflow::TensorShapeProto* shape = OutputShape(properties, table, node.outputs[0]);
+      if (shape != nullptr && FullyDefined(*shape)) return shape;
+    }
+  }
+  return nullptr;
+}
+
 // Shape inference does not evaluate VariableShape, so the zero-filled gradient
 // accumulators of a loop (Fill(VariableShape(v), 0)) and everything computed
 // from them stay unknown (30 tensors of the benchmark LSTM). In a copy of the
-// graph such VariableShapes become constants of the variable's shape; returns
-// false if there is none.
-bool GiveVariableShapes(const GrapplerItem& item, const TensorTable& table,
-                        const GraphProperties& properties, GrapplerItem* copy) {
+// graph such VariableShapes become constants of the variable's shape.
+//
+// Nor does it follow a TensorList through a loop's Exit into the gradient loop, so
+// what TensorListPopBack gives back there, and everything the gradient loop
+// computes from it, has no shape (about 70 tensors of a two-layer GRU). The
+// element is the item the forward loop pushed (LoopAnalysis): in the copy, the
+// PopBack's element_shape input becomes a constant of that item's shape.
+//
+// Returns false if neither applies.
+bool RefineShapes(const GrapplerItem& item, const TensorTable& table,
+                  const GraphProperties& properties, GrapplerItem* copy) {
   tensorflow::GraphDef graph = item.graph;
   bool changed = false;
   for (size_t n = 0; n < table.nodes.size(); ++n) {
@@ -810,17 +860,61 @@ bool GiveVariableShapes(const GrapplerItem& item, const TensorTable& table,
         node.def->attr().at("out_type").type() != tensorflow::DT_INT32) {
       continue;
     }
-    const tensorflow::TensorShapeProto* value = nullptr;
-    for (int reader : table.tensors[node.inputs[0]].consumers) {
-      if (table.nodes[reader].def->op() != "ReadVariableOp") continue;
-      const tensorflow::TensorShapeProto* shape =
-          OutputShape(properties, table, table.nodes[reader].outputs[0]);
-      if (shape != nullptr && FullyDefined(*shape)) value = shape;
-    }
+    const tensorflow::TensorShapeProto* value = VariableShapeOf(table, properties, node.inputs[0]);
     if (value == nullptr) continue;
     NodeDef constant = ShapeConst(node.def->name(), node.def->device(), *value);
     constant.add_input(absl::StrCat("^", tensorflow::grappler::NodeName(node.def->input(0))));
     *graph.mutable_node(n) = constant;
+    changed = true;
+  }
+  // The element shape of each list buffer: the item a loop pushes, or the rows of
+  // the tensor TensorListFromTensor was made from.
+  absl::flat_hash_map<int, tensorflow::TensorShapeProto> element_of_buffer;
+  for (const ListInstance& list : table.loops.lists) {
+    if (list.item < 0) continue;
+    const tensorflow::TensorShapeProto* shape = OutputShape(properties, table, list.item);
+    if (shape != nullptr && FullyDefined(*shape)) element_of_buffer[list.buffer] = *shape;
+  }
+  for (const NodeInfo& node : table.nodes) {
+    if (node.def->op() != "TensorListFromTensor" || node.inputs.empty() || node.outputs.empty()) {
+      continue;
+    }
+    const tensorflow::TensorShapeProto* shape = OutputShape(properties, table, node.inputs[0]);
+    if (shape == nullptr || !FullyDefined(*shape) || shape->dim_size() < 1) continue;
+    tensorflow::TensorShapeProto rows;
+    for (int d = 1; d < shape->dim_size(); ++d) *rows.add_dim() = shape->dim(d);
+    element_of_buffer[table.tensors[node.outputs[0]].buffer] = rows;
+  }
+  for (size_t n = 0; n < table.nodes.size(); ++n) {
+    const NodeInfo& node = table.nodes[n];
+    const std::string& op = node.def->op();
+    const int port = op == "TensorListPopBack" ? 1 : op == "TensorListGetItem" ? 0 : -1;
+    if (port < 0 || node.inputs.empty() || static_cast<int>(node.outputs.size()) <= port) continue;
+    auto it = element_of_buffer.find(table.tensors[node.inputs[0]].buffer);
+    if (it == element_of_buffer.end()) continue;
+    const int element = node.outputs[port];
+    const tensorflow::TensorShapeProto* known = OutputShape(properties, table, element);
+    if (known != nullptr && FullyDefined(*known)) continue;
+    // PopBack's shape function reads only the list's handle data, which does not
+    // survive a loop's plumbing; its readers read an EnsureShape of the element
+    // instead (in the copy only).
+    const std::string ref = table.TensorName(element);
+    NodeDef ensure;
+    ensure.set_name(absl::StrCat(node.def->name(), "/_tfmemopt_element_", port));
+    ensure.set_op("EnsureShape");
+    ensure.set_device(node.def->device());
+    ensure.add_input(ref);
+    (*ensure.mutable_attr())["shape"].mutable_shape()->CopyFrom(it->second);
+    (*ensure.mutable_attr())["T"].set_type(table.tensors[element].dtype);
+    for (int consumer : table.tensors[element].consumers) {
+      NodeDef* reader = graph.mutable_node(consumer);
+      for (int i = 0; i < reader->input_size(); ++i) {
+        if (reader->input(i) == ref || (port == 0 && reader->input(i) == ref + ":0")) {
+          reader->set_input(i, ensure.name());
+        }
+      }
+    }
+    *graph.add_node() = std::move(ensure);
     changed = true;
   }
   if (!changed) return false;
@@ -839,12 +933,28 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
   status = BuildFromProperties(item, properties, options, table);
   if (!status.ok() || table->unresolved_tensors.empty()) return status;
   GrapplerItem copy;
-  if (!GiveVariableShapes(item, *table, properties, &copy)) return absl::OkStatus();
+  if (!RefineShapes(item, *table, properties, &copy)) return absl::OkStatus();
   GraphProperties refined(copy);
-  if (!InferShapes(&refined).ok()) return absl::OkStatus();
+  status = InferShapes(&refined);
+  if (!status.ok()) {
+    VLOG(1) << "TfMemOpt: refined shape inference failed: " << status.message();
+    return absl::OkStatus();
+  }
   TensorTable second;
-  if (BuildFromProperties(item, refined, options, &second).ok() &&
-      second.unresolved_tensors.size() < table->unresolved_tensors.size()) {
+  status = BuildFromProperties(item, refined, options, &second);
+  VLOG(1) << "TfMemOpt: unresolved tensors " << table->unresolved_tensors.size()
+          << ", with refined shapes " << second.unresolved_tensors.size() << " ("
+          << status.message() << ")";
+  if (VLOG_IS_ON(3)) {
+    // Where the unknown sizes start: unresolved tensors whose inputs are all known.
+    for (int t : second.unresolved_tensors) {
+      const NodeInfo& node = second.nodes[second.tensors[t].node];
+      bool inputs_known = true;
+      for (int u : node.inputs) inputs_known = inputs_known && second.tensors[u].size_known;
+      if (inputs_known) VLOG(3) << "unresolved from here: " << second.TensorName(t);
+    }
+  }
+  if (status.ok() && second.unresolved_tensors.size() < table->unresolved_tensors.size()) {
     *table = std::move(second);
   }
   return absl::OkStatus();

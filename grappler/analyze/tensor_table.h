@@ -21,6 +21,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "grappler/analyze/loops.h"
 #include "grappler/memory_optimizer_options.h"
 #include "tensorflow/core/grappler/grappler_item.h"
 
@@ -104,6 +105,16 @@ struct BufferInfo {
   // Bytes held in host memory outside the device's allocator instead (a swapped-out
   // tensor); such a buffer has bytes == 0.
   int64_t host_bytes = 0;
+  // Buffers that hold references into this one (a TensorList that stores elements
+  // read from this list): it is not freed while one of them is live.
+  std::vector<int> held_by;
+  // A TensorList a loop fills: a loop body runs once in a simulation, so the list
+  // is allocated whole when the node that fills it runs (not when it enters the
+  // loop, empty), and freed once the node that pops it in the gradient loop
+  // (drained_by) has run and the element it popped is read, whatever reads of the
+  // emptied list remain. -1: not such a list.
+  int allocated_by = -1;
+  int drained_by = -1;
 };
 
 // Node name -> node index. Tables the planner derives from a table share its map
@@ -136,6 +147,8 @@ struct TensorTable {
   // Tensors with dimensions that stayed unknown; they count as 1 per unknown dim.
   std::vector<int> unresolved_tensors;
   int64_t batch_dims_resolved = 0;  // dimensions filled from assume_batch_size
+  // The while-loops and the TensorLists they fill (analyze/loops.h).
+  LoopAnalysis loops;
 
   std::string TensorName(int tensor) const;
 };

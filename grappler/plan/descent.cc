@@ -184,6 +184,9 @@ absl::Status Planner::Candidates(const Evaluated& state, const std::vector<bool>
     mechanisms_[m]->BeginProposals(state.choice.items[m]);
   }
   const PeakView view{now, position, live};
+  for (size_t m = 0; m < mechanisms_.size(); ++m) {
+    if (proposing[m]) mechanisms_[m]->ProposeAtPeak(view, static_cast<int>(m), out);
+  }
   const int base_nodes = static_cast<int>(table.nodes.size());
   const int base_buffers = static_cast<int>(table.buffers.size());
   auto covered = [&](int b) {

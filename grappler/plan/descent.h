@@ -6,8 +6,10 @@
 //    graphs and the better kept.
 //  * Descend: the greedy descent. At the simulated peak, every holding (a buffer
 //    live there only for later backward readers) gets a candidate from each
-//    mechanism; candidates are taken by bytes saved per second added, first
-//    several at once (until their savings cover the excess), else one at a time
+//    mechanism, and each mechanism may add candidates of its own that are no
+//    holding's (Mechanism::ProposeAtPeak: a loop's accumulators); candidates are
+//    taken by bytes saved per second added, first several at once (until their
+//    savings cover the excess), else one at a time
 //    (the leading few simulated alone, the best kept), until the peak fits or
 //    nothing lowers it. Choices the budget turns out not to need are given back at
 //    the end, most expensive first.

@@ -3,14 +3,16 @@
 // that knows no mechanism.
 //
 // A mechanism is one way of taking a tensor off the device between its forward
-// and its backward use: recompute it (plan/recompute_choice.h) or swap it to host
-// memory (plan/swap_choice.h). Each one
+// and its backward use: recompute it (plan/recompute_choice.h), swap it to host
+// memory (plan/swap_choice.h), or swap what a loop accumulates for its gradient
+// (plan/loop_swap_choice.h). Each one
 //  * applies a list of items (its choice: nodes to recompute, tensors to swap) to
 //    the planner's working table in place, and takes them back (Apply / Undo), so
 //    that the planner simulates exactly the graph the rewrite stage would build;
 //  * proposes candidates at the simulated peak: for a buffer that is live there
 //    only because backward readers will read it later (a Holding), at most one
-//    Candidate with the bytes it saves and the time it adds (Propose);
+//    Candidate with the bytes it saves and the time it adds (Propose), and
+//    candidates of its own that are no holding's (ProposeAtPeak);
 //  * says what its items cost (ItemSeconds, AddSeconds), how many more it may take
 //    (Room), whether it has an alternative placement worth simulating
 //    (HasVariant), and which of its items an exact search should enumerate
@@ -146,6 +148,10 @@ class Mechanism {
   virtual bool EarlyReader(const NodeInfo& added) const { return false; }
   virtual void Propose(const PeakView& view, const Holding& holding, int self,
                        std::vector<Candidate>* out) = 0;
+  // Candidates that are not one holding's (a loop's accumulators fill step by step
+  // inside the loop: plan/loop_swap_choice.h), proposed once per simulated peak,
+  // before the holdings' and after BeginProposals.
+  virtual void ProposeAtPeak(const PeakView& view, int self, std::vector<Candidate>* out) {}
 
   // How many more items a choice holding `items` may take (INT64_MAX: no limit).
   virtual int64_t Room(const std::vector<int>& items) const { return INT64_MAX; }

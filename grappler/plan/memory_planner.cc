@@ -12,7 +12,7 @@ namespace tfmemopt {
 namespace {
 
 // The planner's mechanisms, in the order they apply.
-enum MechanismIndex { kRecompute = 0, kSwap = 1 };
+enum MechanismIndex { kRecompute = 0, kSwap = 1, kLoopSwap = 2 };
 
 CandidatePlan CandidatePlanOf(const std::string& name, const Evaluated& state) {
   CandidatePlan out;
@@ -74,7 +74,8 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   const PlanContext context(table, order, flow, options);
   RecomputeChoice recompute(context, plan);
   SwapChoice swap(context);
-  Planner planner(context, {&recompute, &swap}, plan);
+  LoopSwapChoice loop_swap(context);
+  Planner planner(context, {&recompute, &swap, &loop_swap}, plan);
   Choice fixed = planner.EmptyChoice();
   absl::Status status;
   if (options.enable_recompute && options.policy == RecomputePolicy::kSqrt) {
@@ -128,6 +129,8 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
       for (int alone : {kSwap, kRecompute}) {
         std::vector<bool> only(planner.num_mechanisms(), false);
         only[alone] = true;
+        // Swapping alone includes the loops' accumulators (enable_swap governs both).
+        if (alone == kSwap) only[kLoopSwap] = true;
         planner.BeginSearch();
         // A search whose choice already adds 1.5 times the time of a plan in hand
         // that fits is given up: its final cleanup (which gives back what the budget
@@ -167,7 +170,8 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
       }
     }
     if (status.ok() && best.excess > 0 &&
-        (!best.choice.items[kRecompute].empty() || !best.choice.items[kSwap].empty())) {
+        (!best.choice.items[kRecompute].empty() || !best.choice.items[kSwap].empty() ||
+         !best.choice.items[kLoopSwap].empty())) {
       // Out of reach: the best plan is applied only if it lowers some device's
       // peak; added compute or copies for the same peak help nobody.
       Evaluated none;
@@ -219,19 +223,25 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   status = BuildSwapRewrite(std::move(rewrite->recompute.table), rewrite->recompute.order, flow,
                             best.choice.items[kSwap], swap.options(), &rewrite->swap);
   if (!status.ok()) return status;
+  status = BuildLoopSwapRewrite(std::move(rewrite->swap.table), rewrite->swap.order,
+                                best.choice.items[kLoopSwap], loop_swap.bandwidth(),
+                                &rewrite->loop_swap);
+  if (!status.ok()) return status;
   rewrite->pin_edges.clear();
   if (best.choice.pinned) {
     // The same edges the planner simulated (Planner::Apply pins the same target).
     PinnedOrder pinned;
     std::vector<int> pinned_order;
-    const int added = static_cast<int>(rewrite->swap.table.nodes.size() - table.nodes.size());
-    status = PinOrder(&rewrite->swap.table, flow, rewrite->swap.order, PinEdgeLimit(added),
-                      nullptr, &pinned, &pinned_order);
+    const int added =
+        static_cast<int>(rewrite->loop_swap.table.nodes.size() - table.nodes.size());
+    status = PinOrder(&rewrite->loop_swap.table, flow, rewrite->loop_swap.order,
+                      PinEdgeLimit(added), nullptr, &pinned, &pinned_order);
     if (!status.ok()) return status;
-    rewrite->pin_edges = PinnedEdgeNames(rewrite->swap.table, pinned);
+    rewrite->pin_edges = PinnedEdgeNames(rewrite->loop_swap.table, pinned);
   }
   plan->recompute_nodes = rewrite->recompute.cloned;
   plan->swap_tensors = rewrite->swap.swapped;
+  plan->loop_swap_lists = rewrite->loop_swap.swapped;
   {
     // The buffers taken to free a chunk at a refusal that the applied plan keeps.
     std::vector<bool> taken(table.buffers.size(), false);
@@ -260,6 +270,8 @@ absl::Status ApplyPlannedRewrite(const PlannedRewrite& rewrite, tensorflow::Grap
   absl::Status status = ApplyRecomputeRewrite(rewrite.recompute, graph);
   if (!status.ok()) return status;
   status = ApplySwapRewrite(rewrite.swap, graph);
+  if (!status.ok()) return status;
+  status = ApplyLoopSwapRewrite(rewrite.loop_swap, graph);
   if (!status.ok()) return status;
   return ApplyPinnedEdges(rewrite.pin_edges, graph);
 }

@@ -4,7 +4,8 @@
 //
 // The pieces: each mechanism proposes candidates with the bytes they save and the
 // time they add, in a file of its own (plan/recompute_choice.h,
-// plan/swap_choice.h; their common shape is plan/mechanism.h); the search over
+// plan/swap_choice.h, plan/loop_swap_choice.h; their common shape is
+// plan/mechanism.h); the search over
 // plans (the greedy descent and the exact search) is plan/descent.h and knows no
 // mechanism; PlanMemory below composes them under the configured policies.
 //
@@ -43,11 +44,14 @@
 // Under SQRT and MANUAL, swapping (if enabled) then takes over what is still over
 // the budget.
 //
+// Loops (with enable_swap): the TensorLists a forward loop fills for its gradient
+// are the third mechanism's (plan/loop_swap_choice.h), weighed like any other swap.
+//
 // Never recomputed: stateful nodes (random ops, variable reads and updates, I/O),
 // nodes under control flow (loops, cond branches), graph inputs, constants and
 // variables, nodes that read or produce resources, variants or strings. Never
-// swapped: tensors produced under control flow or by the backward pass, and
-// tensors of non-plain types.
+// swapped: tensors produced under control flow or by the backward pass (a loop's
+// accumulators go as whole lists), and tensors of non-plain types.
 #ifndef TFMEMOPT_GRAPPLER_PLAN_MEMORY_PLANNER_H_
 #define TFMEMOPT_GRAPPLER_PLAN_MEMORY_PLANNER_H_
 
@@ -60,28 +64,31 @@
 #include "grappler/analyze/control_flow.h"
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/memory_optimizer_options.h"
+#include "grappler/plan/loop_swap_choice.h"
 #include "grappler/plan/mechanism.h"
 #include "grappler/plan/pin_order.h"
 #include "grappler/plan/planner_options.h"
 #include "grappler/plan/recompute_choice.h"
 #include "grappler/plan/swap_choice.h"
 #include "grappler/rewrite/lms_swap_optimizer.h"
+#include "grappler/rewrite/loop_swap.h"
 #include "grappler/rewrite/recompute_pass.h"
 #include "grappler/simulate/liveness_simulator.h"
 #include "tensorflow/core/framework/graph.pb.h"
 
 namespace tfmemopt {
 
-// A plan applied: recomputation first, swapping on top of it (the swap rewrite
-// takes over the recompute rewrite's table).
+// A plan applied: recomputation first, swapping on top of it, then the loops'
+// accumulators (each rewrite takes over the previous one's table).
 struct PlannedRewrite {
   RecomputeRewrite recompute;
   SwapRewrite swap;
+  LoopSwapRewrite loop_swap;
   // Control edges (from, to) that pin the executor to the order simulated
   // (plan/pin_order.h), when the plan was simulated pinned.
   std::vector<std::pair<std::string, std::string>> pin_edges;
-  const TensorTable& table() const { return swap.table; }
-  const std::vector<int>& order() const { return swap.order; }
+  const TensorTable& table() const { return loop_swap.table; }
+  const std::vector<int>& order() const { return loop_swap.order; }
 };
 
 // Peak of a device as the report states it: the allocator's where modelled (it

@@ -2,16 +2,21 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "grappler/rewrite/loop_swap.h"
 #include "grappler/simulate/liveness_simulator.h"
 #include "tensorflow/core/grappler/op_types.h"
 
 namespace tfmemopt {
 namespace {
 
-// Whether `n` may be made to wait for another node.
+// Whether `n` may be made to wait for another node. (ControlFlowInfo knows the
+// base table's nodes; the loop swap's copies, added inside loop frames, are under
+// control flow too.)
 bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n) {
   const tensorflow::NodeDef& def = *table.nodes[n].def;
-  if (flow.Under(n) || tensorflow::grappler::IsControlFlow(def)) return false;
+  if (flow.Under(n) || tensorflow::grappler::IsControlFlow(def) || IsLoopSwapNode(def)) {
+    return false;
+  }
   const std::string& op = def.op();
   return op != "_Arg" && op != "Placeholder" && op != "PlaceholderWithDefault";
 }
@@ -62,6 +67,7 @@ absl::Status PinOrder(TensorTable* table, const ControlFlowInfo& flow,
     const int early = (*order)[i], due = target[i];
     if (!MayWait(*table, flow, early) || flow.Under(due) ||
         tensorflow::grappler::IsControlFlow(*table->nodes[due].def) ||
+        IsLoopSwapNode(*table->nodes[due].def) ||
         Reaches(*table, early, due)) {
       return absl::OkStatus();
     }

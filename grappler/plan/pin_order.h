@@ -13,7 +13,7 @@
 // differs from the target, the node it runs there too early waits for the target's
 // node. The target is a topological order of the graph with every edge added, so no
 // edge closes a cycle. Nodes under control flow (a control edge cannot cross a
-// frame) and inputs are never made to wait, and no edge is added from a node that
+// frame; the loop swap's copies included) and inputs are never made to wait, and no edge is added from a node that
 // the waiting node runs before (in graphs with loops the emulated executor order
 // need not follow every path); the pinning then stops, incomplete.
 #ifndef TFMEMOPT_GRAPPLER_PLAN_PIN_ORDER_H_

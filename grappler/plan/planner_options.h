@@ -64,6 +64,7 @@ struct CandidatePlan {
 struct MemoryPlan {
   std::vector<int> recompute_nodes;  // base node indices that got a clone
   std::vector<int> swap_tensors;     // base tensor indices that are swapped
+  std::vector<int> loop_swap_lists;  // TensorTable::loops.lists indices that are swapped
   // Per device, the simulated peak of the chosen plan (see PredictedPeak); when the
   // budget cannot be met, the lowest peak found.
   std::vector<int64_t> peak_bytes;

@@ -288,9 +288,15 @@ class Scheduler {
     std::vector<int>& controls = work_.nodes[to].control_inputs;
     controls.push_back(from);
     std::vector<int> order;
+    // An edge that makes a loop wait for what needs the loop's result closes a
+    // cycle through the loop's barriers (ExecutorOrder): not a candidate.
     absl::Status status = ExecutorOrder(work_, &order);
+    if (!status.ok()) {
+      controls.pop_back();
+      return absl::OkStatus();
+    }
     SimulationResult simulation;
-    if (status.ok() && AddNSignature(order) == signature_) {
+    if (AddNSignature(order) == signature_) {
       ++schedule_->simulations;
       status = Simulate(work_, order, SimulationOptions(), &simulation);
       *valid = status.ok();

@@ -21,12 +21,11 @@ bool SwappableType(tensorflow::DataType dtype) {
   }
 }
 
-// Fraction of a swap's copy time the device cannot hide behind compute.
+}  // namespace
+
 double CopyExposure(const std::string& device) {
   return absl::StartsWith(device, "GPU") ? 0.1 : 1.0;
 }
-
-}  // namespace
 
 double DefaultHostBandwidth(const std::string& device) {
   // CPU test bed: TfMemSwapOut/In at 128 MiB, median of warm runs, the slower
@@ -35,13 +34,16 @@ double DefaultHostBandwidth(const std::string& device) {
   return absl::StartsWith(device, "GPU") ? 12e9 : 3.65e9;
 }
 
+double SwapBandwidth(const TensorTable& table, const MemoryPlannerOptions& options) {
+  if (options.swap.bandwidth_bytes_per_sec > 0) return options.swap.bandwidth_bytes_per_sec;
+  bool gpu = false;
+  for (const std::string& device : table.devices) gpu |= absl::StartsWith(device, "GPU");
+  return DefaultHostBandwidth(gpu ? "GPU:0" : "CPU:0");
+}
+
 SwapChoice::SwapChoice(const PlanContext& context) : ctx_(context) {
   swap_options_ = ctx_.options.swap;
-  if (swap_options_.bandwidth_bytes_per_sec <= 0) {
-    bool gpu = false;
-    for (const std::string& device : ctx_.table.devices) gpu |= absl::StartsWith(device, "GPU");
-    swap_options_.bandwidth_bytes_per_sec = DefaultHostBandwidth(gpu ? "GPU:0" : "CPU:0");
-  }
+  swap_options_.bandwidth_bytes_per_sec = SwapBandwidth(ctx_.table, ctx_.options);
   swapped_.assign(ctx_.table.tensors.size(), false);
 }
 

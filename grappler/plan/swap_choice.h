@@ -24,6 +24,13 @@ namespace tfmemopt {
 // The copy bandwidth used for a device ("CPU:0", "GPU:0") when the config gives none:
 // measured on the CPU test bed (benchmarks/host_bandwidth.py), assumed for GPUs.
 double DefaultHostBandwidth(const std::string& device);
+// The bandwidth a plan copies at: the config's, else the default for the table's
+// devices (one bandwidth per plan; a graph on a GPU copies at the GPU's).
+double SwapBandwidth(const TensorTable& table, const MemoryPlannerOptions& options);
+// Fraction of a copy's time the device cannot hide behind compute: all of it on a
+// CPU, whose cores do the copy; a tenth on a GPU, whose copy engines run beside
+// the kernels.
+double CopyExposure(const std::string& device);
 
 class SwapChoice : public Mechanism {
  public:

@@ -221,7 +221,27 @@ std::string MemoryReport::ToJson() const {
   }
   out << "],\"allocator_windows\":" << plan_choice.allocator_windows
       << ",\"freed_for_allocator\":" << QuotedList(plan_choice.freed_for_allocator)
-      << "},\"timeline\":" << TimelineJson(timeline)
+      << "},\"loops\":[";
+  for (size_t i = 0; i < loops.size(); ++i) {
+    const LoopReport& loop = loops[i];
+    out << (i ? "," : "") << "{\"frame\":" << Quote(loop.frame)
+        << ",\"backward\":" << (loop.backward ? "true" : "false")
+        << ",\"trip_count\":" << loop.trip_count
+        << ",\"trip_count_source\":" << Quote(loop.trip_count_source)
+        << ",\"parallel_iterations\":" << loop.parallel_iterations
+        << ",\"left_alone\":" << Quote(loop.left_alone) << ",\"lists\":[";
+    for (size_t j = 0; j < loop.lists.size(); ++j) {
+      const LoopListReport& list = loop.lists[j];
+      out << (j ? "," : "") << "{\"list\":" << Quote(list.list) << ",\"item\":" << Quote(list.item)
+          << ",\"capacity\":" << list.capacity
+          << ",\"capacity_source\":" << Quote(list.capacity_source)
+          << ",\"bytes\":" << list.bytes << ",\"swapped\":" << (list.swapped ? "true" : "false")
+          << ",\"copy_seconds\":" << absl::StrFormat("%.9g", list.copy_seconds)
+          << ",\"left_alone\":" << Quote(list.left_alone) << "}";
+    }
+    out << "]}";
+  }
+  out << "],\"timeline\":" << TimelineJson(timeline)
       << ",\"timeline_before\":" << TimelineJson(timeline_before) << ",\"stage_seconds\":{";
   bool first = true;
   for (const auto& [stage, seconds] : stage_seconds) {
@@ -253,7 +273,18 @@ std::string MemoryReport::Summary() const {
                                : " (no budget known)");
     peaks.push_back(peak);
   }
-  const size_t added = recompute.nodes.size() + swap.num_swap_out + swap.num_swap_in;
+  int swapped_lists = 0, loop_swap_ops = 0;
+  int64_t loop_bytes = 0;
+  for (const LoopReport& loop : loops) {
+    for (const LoopListReport& list : loop.lists) {
+      if (!list.swapped) continue;
+      ++swapped_lists;
+      loop_bytes += list.bytes;
+    }
+  }
+  loop_swap_ops = loop_swap_nodes;
+  const size_t added =
+      recompute.nodes.size() + swap.num_swap_out + swap.num_swap_in + loop_swap_ops;
   if (added > 0) {
     std::vector<std::string> parts;
     if (!recompute.nodes.empty()) {
@@ -268,6 +299,10 @@ std::string MemoryReport::Summary() const {
     if (swap.num_swap_out > 0) {
       parts.push_back(absl::StrCat(swap.num_swap_out, " swap-out, ", swap.num_swap_in,
                                    " swap-in, ", FormatBytes(swap.bytes_to_host), " to host"));
+    }
+    if (swapped_lists > 0) {
+      parts.push_back(absl::StrCat(swapped_lists, " loop list", swapped_lists == 1 ? "" : "s",
+                                   " to host (", FormatBytes(loop_bytes), ")"));
     }
     absl::StrAppend(&line, ", added ", added, " ops (", absl::StrJoin(parts, ", "), ")");
   }

@@ -85,6 +85,34 @@ struct SwapReport {
   double copy_seconds = 0;      // predicted copy time, both directions
 };
 
+// A TensorList a loop fills (analyze/loops.h) and what the plan did with it.
+struct LoopListReport {
+  std::string list;  // the Enter that starts the instance
+  std::string item;  // the tensor each iteration pushes
+  int64_t capacity = -1;  // elements; -1 unknown
+  std::string capacity_source;
+  int64_t bytes = 0;     // device bytes it holds at its fullest, unswapped
+  bool swapped = false;  // moved to host memory as it is filled
+  double copy_seconds = 0;  // predicted copy time per step (both directions), if swapped
+  // Why it was not swapped: a LoopSwapBlocker reason, "not_needed" (the plan
+  // met the budget without it) or "swap_disabled"; "" if swapped.
+  std::string left_alone;
+};
+
+// One while-loop of the graph.
+struct LoopReport {
+  std::string frame;
+  bool backward = false;  // a gradient loop
+  int64_t trip_count = -1;
+  std::string trip_count_source;  // "condition", "assume_trip_count" or ""
+  int parallel_iterations = 1;
+  std::vector<LoopListReport> lists;
+  // Why nothing of the loop was moved ("" if something was): "gradient_loop" (it
+  // pops what another loop filled), "fills_no_list", else the distinct reasons of
+  // its lists that hold data, comma-separated.
+  std::string left_alone;
+};
+
 // What the scheduling stage did to a graph (before any swap or recompute).
 struct ScheduleReport {
   bool planned = false;  // the stage ran
@@ -165,6 +193,8 @@ struct MemoryReport {
   ScheduleReport schedule;
   SplitReport split;
   PlanChoiceReport plan_choice;
+  std::vector<LoopReport> loops;
+  int loop_swap_nodes = 0;  // nodes the loop swap added (swap-outs, swap-ins, triggers)
   // Timelines of the final graph and of the original one: per device, transient
   // bytes per step by role.
   std::vector<DeviceTimeline> timeline;

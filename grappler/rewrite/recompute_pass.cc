@@ -59,6 +59,7 @@ void TableEdit::Begin(const TensorTable& table) {
   consumers.clear();
   inputs.clear();
   control_inputs.clear();
+  buffer_fields.clear();
 }
 
 void TableEdit::Undo(TensorTable* table) const {
@@ -70,6 +71,9 @@ void TableEdit::Undo(TensorTable* table) const {
   }
   for (auto it = consumers.rbegin(); it != consumers.rend(); ++it) {
     table->tensors[it->first].consumers = it->second;
+  }
+  for (auto it = buffer_fields.rbegin(); it != buffer_fields.rend(); ++it) {
+    table->buffers[it->first] = it->second;
   }
   table->nodes.resize(nodes);
   table->tensors.resize(tensors);

@@ -63,6 +63,7 @@ struct TableEdit {
   std::vector<std::pair<int, std::vector<int>>> consumers;  // tensor, old list
   std::vector<std::tuple<int, int, int>> inputs;            // node, slot, old tensor
   std::vector<std::pair<int, size_t>> control_inputs;       // node, old count
+  std::vector<std::pair<int, BufferInfo>> buffer_fields;    // buffer, old fields
 
   void Begin(const TensorTable& table);
   void SaveConsumers(const TensorTable& table, int tensor) {
@@ -74,6 +75,10 @@ struct TableEdit {
   // Before control inputs are appended to `node`.
   void SaveControlInputs(const TensorTable& table, int node) {
     control_inputs.emplace_back(node, table.nodes[node].control_inputs.size());
+  }
+  // Before a buffer of the table's is changed in place.
+  void SaveBuffer(const TensorTable& table, int buffer) {
+    buffer_fields.emplace_back(buffer, table.buffers[buffer]);
   }
   // Restores `table` to what it was at Begin().
   void Undo(TensorTable* table) const;

@@ -10,6 +10,7 @@
 #include "grappler/simulate/bfc_allocator_model.h"
 #include "grappler/simulate/execution_order.h"
 #include "tensorflow/core/graph/tensor_id.h"
+#include "tensorflow/core/grappler/op_types.h"
 #include "tensorflow/core/grappler/utils/topological_sort.h"
 #include "tensorflow/core/platform/logging.h"
 
@@ -82,6 +83,15 @@ class Replay {
       if (table.buffers[b].released_by >= 0) {
         extra_released_by_[table.buffers[b].released_by].push_back(static_cast<int>(b));
       }
+      for (int holder : table.buffers[b].held_by) {
+        held_of_holder_[holder].push_back(static_cast<int>(b));
+      }
+      if (table.buffers[b].allocated_by >= 0) {
+        allocated_by_[table.buffers[b].allocated_by].push_back(static_cast<int>(b));
+      }
+      if (table.buffers[b].drained_by >= 0) {
+        drained_by_[table.buffers[b].drained_by].push_back(static_cast<int>(b));
+      }
     }
   }
 
@@ -108,6 +118,7 @@ class Replay {
     for (size_t b = 0; b < num_buffers; ++b) {
       gradient_role_[b] = table_.tensors[table_.buffers[b].owner].role == TensorRole::kGradient;
     }
+    drained_.assign(num_buffers, -1);
     value_reads_.assign(num_buffers, 0);
     old_reads_.assign(num_buffers, 0);
     copy_bytes_.assign(num_buffers, 0);
@@ -146,11 +157,23 @@ class Replay {
   }
 
   void Release(int b, Listener* listener) {
-    if (pending_[b] == 0 && live_[b]) {
+    if (pending_[b] == 0 && live_[b] && !Held(b)) {
       live_[b] = false;
       Add(b, -1);
       listener->Freed(b);
+      // Buffers this one held references into may go now.
+      auto it = held_of_holder_.find(b);
+      if (it == held_of_holder_.end()) return;
+      for (int held : it->second) Release(Resolve(held), listener);
     }
+  }
+
+  // A live buffer holds references into `b` (BufferInfo::held_by).
+  bool Held(int b) const {
+    for (int holder : table_.buffers[b].held_by) {
+      if (live_[holder]) return true;
+    }
+    return false;
   }
 
   // A value read of a variable: a non-resource tensor on a persistent buffer.
@@ -198,8 +221,11 @@ class Replay {
         }
         continue;
       }
-      // Forwarded outputs were counted when their buffer's owner ran.
-      if (live_[own] || buffer.owner != t || alias_[own] != own) continue;
+      // Forwarded outputs were counted when their buffer's owner ran; a list a
+      // loop fills is allocated by the node that fills it (below).
+      if (live_[own] || buffer.owner != t || alias_[own] != own || buffer.allocated_by >= 0) {
+        continue;
+      }
       const int reused = i == 0 ? TakeOver(node, n, t) : -1;
       if (reused >= 0) {
         // The output inherits the input's memory; the input's value ends here,
@@ -223,6 +249,14 @@ class Replay {
       Add(b, +1);
       listener->Allocated(b);
     }
+    if (auto it = allocated_by_.find(n); it != allocated_by_.end()) {
+      for (int b : it->second) {
+        if (live_[b] || alias_[b] != b) continue;
+        live_[b] = true;
+        Add(b, +1);
+        listener->Allocated(b);
+      }
+    }
     for (int port : node.updated_variables) {
       const int b = Resolve(table_.tensors[node.inputs[port]].buffer);
       if (!table_.buffers[b].persistent || value_reads_[b] == 0) continue;
@@ -234,9 +268,23 @@ class Replay {
       listener->VariableCopied(b);
     }
     listener->Step(step);
+    // A list the gradient loop pops empties as it goes: once this node has popped,
+    // only the popped element's readers still hold the buffer.
+    if (auto it = drained_by_.find(n); it != drained_by_.end()) {
+      for (int b : it->second) {
+        const int element = node.outputs.size() >= 2 ? node.outputs[1] : -1;
+        if (element < 0 || Resolve(b) != b) continue;
+        drained_[b] = element;
+        pending_[b] = 0;
+        for (int c : table_.tensors[element].consumers) {
+          if (ForwardEdge(element, c)) ++pending_[b];
+        }
+      }
+    }
     for (int t : node.inputs) {
       if (!ForwardEdge(t, n)) continue;
       const int b = Resolve(table_.tensors[t].buffer);
+      if (drained_[b] >= 0 && drained_[b] != t) continue;  // a read of the drained list
       --pending_[b];
       if (IsVariableValue(t, b)) {
         if (tensor_generation_[t] == generation_[b]) {
@@ -250,6 +298,9 @@ class Replay {
       Release(b, listener);
     }
     for (int t : node.outputs) Release(Resolve(table_.tensors[t].buffer), listener);
+    if (auto it = drained_by_.find(n); it != drained_by_.end()) {
+      for (int b : it->second) Release(Resolve(b), listener);
+    }
     // Extra buffers go after their reader has run, or at once without one.
     auto free_extra = [&](int b) {
       if (!live_[b]) return;
@@ -273,6 +324,11 @@ class Replay {
   const std::vector<int>& device_of_buffer_;
   const int num_devices_;
   absl::flat_hash_map<int, std::vector<int>> extra_released_by_;
+  absl::flat_hash_map<int, std::vector<int>> held_of_holder_;  // holder -> held buffers
+  absl::flat_hash_map<int, std::vector<int>> allocated_by_;  // node -> buffers it allocates
+  absl::flat_hash_map<int, std::vector<int>> drained_by_;    // node -> buffers it drains
+  // Per buffer: the popped element whose readers alone still hold it, or -1.
+  std::vector<int> drained_;
   std::vector<int> alias_;  // in-place reuse: a buffer's memory now serves another
   std::vector<int64_t> pending_;
   std::vector<bool> live_;
@@ -556,6 +612,48 @@ int DeviceIndex(const std::vector<std::string>& devices, const std::string& devi
   return static_cast<int>(it - devices.begin());
 }
 
+// A loop's body runs once in the emulation, but in TF it runs once per iteration:
+// what comes out of a loop (an Exit: a filled TensorList, a final state) exists
+// only after every iteration, and every iteration needs every value the loop takes
+// in. So a loop runs as one block here: its Enter nodes wait for every value that
+// enters the loop, and its Exit nodes for every NextIteration (the end of each
+// iteration's work). Otherwise a node of the body that needs only some of the
+// loop's inputs (pushing the initial state, iteration 0) would run, with the list
+// it fills, long before the loop could, and what reads an Exit would run before
+// the body.
+template <typename AddEdge>
+void AddLoopBarriers(const TensorTable& table, AddEdge add_edge) {
+  const std::vector<int>& loop_of = table.loops.loop_of_node;
+  const int num_loops = static_cast<int>(table.loops.loops.size());
+  if (num_loops == 0) return;
+  std::vector<std::vector<int>> inputs(num_loops), enters(num_loops), next(num_loops),
+      exits(num_loops);
+  for (int n = 0; n < static_cast<int>(loop_of.size()) && n < static_cast<int>(table.nodes.size());
+       ++n) {
+    const int loop = loop_of[n];
+    if (loop < 0) continue;
+    const tensorflow::NodeDef& def = *table.nodes[n].def;
+    if (tensorflow::grappler::IsEnter(def)) {
+      enters[loop].push_back(n);
+      for (int t : table.nodes[n].inputs) inputs[loop].push_back(table.tensors[t].node);
+    } else if (tensorflow::grappler::IsNextIteration(def)) {
+      next[loop].push_back(n);
+    } else if (tensorflow::grappler::IsExit(def)) {
+      exits[loop].push_back(n);
+    }
+  }
+  for (int loop = 0; loop < num_loops; ++loop) {
+    std::sort(inputs[loop].begin(), inputs[loop].end());
+    inputs[loop].erase(std::unique(inputs[loop].begin(), inputs[loop].end()), inputs[loop].end());
+    for (int e : enters[loop]) {
+      for (int p : inputs[loop]) add_edge(p, e);
+    }
+    for (int x : exits[loop]) {
+      for (int ni : next[loop]) add_edge(ni, x);
+    }
+  }
+}
+
 }  // namespace
 
 // TF's executor (ExecutorState::Process and ScheduleReady, executor.cc) runs a
@@ -601,6 +699,15 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
     for (int t : table.nodes[n].inputs) add_edge(table.tensors[t].node, n, false);
     for (int c : table.nodes[n].control_inputs) add_edge(c, n, true);
   }
+  // (No cycle can come of these: nothing a loop takes in depends on what comes
+  // out of it, and no node of a body depends on its own loop's Exit.)
+  // A barrier is an ordering edge, no data: activated with the control edges.
+  AddLoopBarriers(table, [&](int from, int to) {
+    if (from == to) return;
+    successors[from].push_back(to);
+    control_out[from].push_back(to);
+    ++waiting[to];
+  });
   // Distance (in edges) to the nearest variable update.
   std::vector<int> to_update(num_nodes, num_nodes);
   {
@@ -694,7 +801,7 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
   }
   if (static_cast<int>(order->size()) != num_nodes) {
     return absl::InternalError(absl::StrCat("executor order covers ", order->size(),
-                                            " of ", num_nodes, " nodes"));
+                                            " of ", num_nodes, " nodes (a cycle)"));
   }
   return absl::OkStatus();
 }

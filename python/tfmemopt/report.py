@@ -80,7 +80,10 @@ class Report:
     split (splitting per-sample work along the batch, the planner's fourth choice:
     planned, applied, batch, slices, rows, stages, ops (the split ops), op_types, cuts,
     joins, sums, added_seconds, left_alone, trials (what the planner simulated: slices,
-    region_ops, peak_bytes per device, fits), note), stage_seconds, total_seconds.
+    region_ops, peak_bytes per device, fits), note),
+    loops (per while-loop: its trip count, the TensorLists it fills, which of them were
+    moved to host memory as they fill, with bytes and predicted copy time, and
+    left_alone, why not; see docs/loops.md), stage_seconds, total_seconds.
     """
 
     def __init__(self, data):
@@ -122,6 +125,11 @@ class Report:
         self.swap = data.get("swap", {})
         self.schedule = data.get("schedule", {})
         self.split = data.get("split", {})
+        # Per while-loop: frame, backward, trip_count (+ trip_count_source),
+        # parallel_iterations, left_alone (why nothing of it moved) and lists: the
+        # TensorLists it fills ({list, item, capacity, capacity_source, bytes,
+        # swapped, copy_seconds, left_alone}).
+        self.loops = data.get("loops", [])
         self.stage_seconds = data["stage_seconds"]
         self.total_seconds = data["total_seconds"]
         # Where the allocator tells its peak: the first steps of this graph as run
@@ -252,6 +260,7 @@ class Report:
         lines.extend(self._split_lines())
         lines.extend(self._recompute_lines())
         lines.extend(self._swap_lines())
+        lines.extend(self._loop_lines())
         if self.top_tensors_at_peak:
             lines.append("  largest tensors live at the peak:")
             for t in self.top_tensors_at_peak:
@@ -344,6 +353,24 @@ class Report:
                 f"{format_bytes(sw['host_peak_bytes'])} at once), predicted copy time "
                 f"{sw['copy_seconds'] * 1000:.1f} ms",
                 f"    swapped: {shown}"]
+
+    def _loop_lines(self):
+        lines = []
+        for loop in self.loops:
+            trips = (f"{loop['trip_count']} iterations ({loop['trip_count_source']})"
+                     if loop["trip_count"] >= 0 else "trip count unknown")
+            moved = [li for li in loop["lists"] if li["swapped"]]
+            kind = "gradient loop" if loop["backward"] else "loop"
+            line = f"  {kind} {loop['frame']}: {trips}"
+            if moved:
+                total = sum(li["bytes"] for li in moved)
+                copy = sum(li["copy_seconds"] for li in moved)
+                line += (f"; {len(moved)} of {len(loop['lists'])} lists to host memory as they "
+                         f"fill ({format_bytes(total)}, predicted copy time {copy * 1000:.1f} ms)")
+            else:
+                line += f"; left alone: {loop['left_alone']}"
+            lines.append(line)
+        return lines
 
     def figure(self, title=None):
         """The memory timeline as a matplotlib Figure: live bytes at each step of the
