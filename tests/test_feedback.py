@@ -4,14 +4,15 @@ callback, and its results equal, bit for bit, those of a run that never ran out 
 memory; the first steps' measured peak goes into the report.
 
 The out-of-memory errors are real: the allocator is capped (TF's BFC CPU allocator, a
-fresh interpreter per run) below the budget the pass is first given, so the first
-plan, which fits that budget, does not fit the device. Every step of these short runs
-is guarded (guard_steps=10), so that whichever step runs out of memory (TF's order,
-and with it the peak, moves from step to step near the limit) is retried.
+fresh interpreter per run), and the script holds HOG_MB of that memory in an eager
+tensor before it trains, as a program holding another model or a prefetched batch
+would. The plan cannot know it: it plans for the device's whole memory, so the first
+plan, which fits its budget, does not fit what is left. Every step of these short
+runs is guarded (guard_steps=10), so that whichever step runs out of memory (TF's
+order, and with it the peak, moves from step to step near the limit) is retried.
 
-Splitting is kept out (enable_split=False): with it, the pass's allocator model sees
-that no plan at the first budget can be placed under the device's real limit and
-splits the batch until one can, so the first plan trains and nothing is retried.
+Splitting is kept out (enable_split=False): these tests are about the retry, and a
+split changes the order of weight-gradient sums.
 """
 
 import json
@@ -22,8 +23,10 @@ import tensorflow as tf
 from conftest import run_python
 from tfmemopt import feedback
 
-CAP_MB = 26
-FIRST_BUDGET = 34_000_000  # over the 26 MiB cap: the first plan runs out of memory
+CAP_MB = 36
+HOG_MB = 8  # held outside the step: 28 MiB are left for it
+FIRST_BUDGET = 34_000_000  # fits the 36 MiB device, not the 28 MiB left: out of memory
+RETRIES = 10  # each retry lowers the budget by at least 5 %: about 5 are needed here
 
 _CUSTOM_LOOP = r'''
 import json, sys
@@ -34,8 +37,9 @@ from conftest import chain_mlp
 mode = sys.argv[2]
 step, x, ws = chain_mlp(depth=24)
 if mode == "retry":
+    hog = tf.fill([int(sys.argv[4]) << 18], 1.0)  # HOG_MB MiB held for the whole run
     tfmemopt.enable(budget=int(sys.argv[3]), enable_split=False, log_level=0)
-    step = tfmemopt.function(step.python_function, retries=6, guard_steps=10)
+    step = tfmemopt.function(step.python_function, retries=int(sys.argv[5]), guard_steps=10)
 losses = [float(step(x)).hex() for _ in range(3)]
 out = {"losses": losses, "weights": [w.numpy().tobytes().hex()[:4096] for w in ws]}
 if mode == "retry":
@@ -62,8 +66,8 @@ TESTS = __import__("os").path.dirname(__file__)
 
 def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run():
     plain, _ = _result(run_python(_CUSTOM_LOOP, TESTS, "plain", env=_capped(1024)))
-    retried, log = _result(run_python(_CUSTOM_LOOP, TESTS, "retry", FIRST_BUDGET,
-                                      env=_capped(CAP_MB)))
+    retried, log = _result(run_python(_CUSTOM_LOOP, TESTS, "retry", FIRST_BUDGET, HOG_MB,
+                                      RETRIES, env=_capped(CAP_MB)))
     assert retried["retries"], "the first plan did not run out of memory"
     assert log.count("retrying the step (retry") == len(retried["retries"])
     budgets = [r["new_budget_bytes"] for r in retried["retries"]]
@@ -125,9 +129,10 @@ x = rng.standard_normal((3 * 1024, 256)).astype(np.float32)
 y = rng.standard_normal((3 * 1024, 1)).astype(np.float32)
 callbacks = []
 if mode == "retry":
+    hog = tf.fill([int(sys.argv[3]) << 18], 1.0)  # HOG_MB MiB held for the whole run
     callback = MemoryOptimizer(budget=int(sys.argv[2]), enable_split=False, log_level=0,
                                print_report=False,
-                               retries=6, guard_steps=10)
+                               retries=int(sys.argv[4]), guard_steps=10)
     callbacks = [callback]
 history = model.fit(x, y, batch_size=1024, epochs=2, shuffle=False, verbose=0,
                     callbacks=callbacks)
@@ -146,7 +151,7 @@ def test_keras_fit_retries_the_batch_and_equals_an_uncapped_fit():
     # no retry can help a dead process (docs/troubleshooting.md).
     no_onednn = {"TF_ENABLE_ONEDNN_OPTS": "0"}
     plain, _ = _result(run_python(_KERAS, "plain", env={**_capped(1024), **no_onednn}))
-    retried, log = _result(run_python(_KERAS, "retry", FIRST_BUDGET,
+    retried, log = _result(run_python(_KERAS, "retry", FIRST_BUDGET, HOG_MB, RETRIES,
                                       env={**_capped(CAP_MB), **no_onednn}))
     assert retried["retries"], "the first plan did not run out of memory"
     assert log.count("retrying the batch (retry") == len(retried["retries"])
