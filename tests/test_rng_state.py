@@ -66,6 +66,9 @@ def keras_augment():
         tf.keras.layers.RandomFlip("horizontal"),
         tf.keras.layers.RandomTranslation(0.1, 0.1),
         tf.keras.layers.RandomContrast(0.2),
+        # Three convolutions: during the last one's backward the first one's output
+        # waits for the second one's filter gradient, which recomputation can serve.
+        tf.keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
         tf.keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
         tf.keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
         tf.keras.layers.GlobalAveragePooling2D(),
