@@ -3,25 +3,9 @@
 #include <algorithm>
 
 #include "absl/strings/match.h"
+#include "grappler/ops/swap_ops.h"
 
 namespace tfmemopt {
-namespace {
-
-// The types TfMemSwapOut/TfMemSwapIn take (grappler/ops/swap_ops.cc).
-bool SwappableType(tensorflow::DataType dtype) {
-  switch (dtype) {
-    case tensorflow::DT_BOOL: case tensorflow::DT_INT8: case tensorflow::DT_INT16:
-    case tensorflow::DT_INT32: case tensorflow::DT_INT64: case tensorflow::DT_UINT8:
-    case tensorflow::DT_UINT16: case tensorflow::DT_UINT32: case tensorflow::DT_UINT64:
-    case tensorflow::DT_HALF: case tensorflow::DT_BFLOAT16: case tensorflow::DT_FLOAT:
-    case tensorflow::DT_DOUBLE: case tensorflow::DT_COMPLEX64: case tensorflow::DT_COMPLEX128:
-      return true;
-    default:
-      return false;
-  }
-}
-
-}  // namespace
 
 double CopyExposure(const std::string& device) {
   return absl::StartsWith(device, "GPU") ? 0.1 : 1.0;
@@ -71,7 +55,7 @@ bool SwapChoice::Swappable(int tensor) const {
   // A graph input's buffer belongs to the caller, who keeps it: swapping frees nothing.
   const std::string& op = producer.def->op();
   if (op == "_Arg" || op == "Placeholder" || op == "PlaceholderWithDefault") return false;
-  return !producer.backward && !ctx_.flow.Under(t.node) && SwappableType(t.dtype) &&
+  return !producer.backward && !ctx_.flow.Under(t.node) && SwapOpsTakeType(t.dtype) &&
          t.size_known && !table.buffers[t.buffer].persistent &&
          !table.buffers[t.buffer].external && FilterReason(*producer.def, ctx_.options).empty();
 }

@@ -6,6 +6,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
+#include "grappler/ops/swap_ops.h"
 #include "absl/strings/str_cat.h"
 #include "grappler/ops/swap_ops.h"
 #include "tensorflow/core/framework/attr_value.pb.h"
@@ -16,20 +17,6 @@ namespace tfmemopt {
 namespace {
 
 using tensorflow::NodeDef;
-
-// The types TfMemSwapOut / TfMemSwapIn take (grappler/ops/swap_ops.cc).
-bool SwappableDtype(tensorflow::DataType dtype) {
-  switch (dtype) {
-    case tensorflow::DT_BOOL: case tensorflow::DT_INT8: case tensorflow::DT_INT16:
-    case tensorflow::DT_INT32: case tensorflow::DT_INT64: case tensorflow::DT_UINT8:
-    case tensorflow::DT_UINT16: case tensorflow::DT_UINT32: case tensorflow::DT_UINT64:
-    case tensorflow::DT_HALF: case tensorflow::DT_BFLOAT16: case tensorflow::DT_FLOAT:
-    case tensorflow::DT_DOUBLE: case tensorflow::DT_COMPLEX64: case tensorflow::DT_COMPLEX128:
-      return true;
-    default:
-      return false;
-  }
-}
 
 // Ops that pass a list along, or read only its length or element shape.
 bool KeepsElementsInPlace(const NodeDef& node) {
@@ -81,7 +68,7 @@ int EarliestCarriedValue(const TensorTable& table, int loop, const std::vector<i
     const TensorInfo& value = table.tensors[next];
     const NodeInfo& producer = table.nodes[value.node];
     const std::string& op = producer.def->op();
-    if (!SwappableDtype(value.dtype) || value.dtype == tensorflow::DT_INT32 ||
+    if (!SwapOpsTakeType(value.dtype) || value.dtype == tensorflow::DT_INT32 ||
         value.dtype == tensorflow::DT_INT64 || tensorflow::grappler::IsSwitch(*producer.def) ||
         op == "Identity" || op == "Enter" || absl::StartsWith(op, "TensorList") ||
         LoopOf(table, value.node) != loop) {
@@ -134,7 +121,7 @@ std::string LoopSwapBlocker(const TensorTable& table, int index) {
   if (list.referenced && table.buffers[item.buffer].persistent) return "references_a_variable";
   if (list.pops.empty()) return "not_an_accumulator";  // e.g. a TensorArray of outputs
   if (LoopOf(table, list.creator) >= 0) return "nested_loop";
-  if (!SwappableDtype(item.dtype)) return "non_plain_dtype";
+  if (!SwapOpsTakeType(item.dtype)) return "non_plain_dtype";
   if (list.capacity < 0) return loop.trip_count < 0 ? "dynamic_trip_count" : "unknown_size";
   if (!item.size_known) return "unknown_size";
   if (table.buffers[list.buffer].host_bytes > 0) return "swapped";
