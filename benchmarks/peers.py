@@ -545,8 +545,6 @@ def time_peers(model, names, batch, s, rounds, log):
             worker.close()
 
 
-# (model, configuration, batch) -> whether tfmemopt split work along the batch there.
-_split_at = {}
 # Losses of a split step against plain TF's: relative tolerance (tests/test_split.py).
 SPLIT_RTOL = 1e-5
 
@@ -554,7 +552,8 @@ SPLIT_RTOL = 1e-5
 def loss_trials(model, names, batch, s, inter_op, log, capped=True):
     """The first LOSS_STEPS losses of each configuration in its own interpreter, with
     `inter_op` inter-op threads, under the cap (or none: capped=False); {name: (losses,
-    status, whether tfmemopt changed the graph)}."""
+    status, whether tfmemopt changed the graph, whether it split work along the
+    batch)}."""
     out = {}
     for name in names:
         config = trial_config(name)
@@ -564,12 +563,12 @@ def loss_trials(model, names, batch, s, inter_op, log, capped=True):
                                    memory_optimization=config["memory_optimization"],
                                    step_kwargs=_kwargs(model, name, s["batch_step"], inter_op),
                                    **(config["fields"] or {}))
-        out[name] = ([v[0] for v in trial.outputs], trial.status,
-                     (trial.report or {}).get("graph_changed"))
-        _split_at[(model, name, batch)] = ((trial.report or {}).get("split") or {}).get("applied")
+        report = trial.report or {}
+        out[name] = ([v[0] for v in trial.outputs], trial.status, report.get("graph_changed"),
+                     bool((report.get("split") or {}).get("applied")))
     threads = f"{inter_op} inter-op thread(s)" if inter_op else "TF's default inter-op threads"
     log(f"  losses with {threads} at batch {batch}{'' if capped else ' without a cap'}: "
-        + ", ".join(f"{n} {st}" for n, (_, st, _) in out.items()))
+        + ", ".join(f"{n} {st}" for n, (_, st, _, _) in out.items()))
     return out
 
 
@@ -607,17 +606,18 @@ def compare_losses(model, timed, timing, out, s, log):
     default inter-op threads), all are taken again with one inter-op thread."""
     batch = out["timed_batch"]
     for loss_batch in _loss_batches(batch, s):
-        reference, status, _ = loss_trials(model, [BASELINE], loss_batch, s, 0,
-                                           log)[BASELINE]
+        reference, status, _, _ = loss_trials(model, [BASELINE], loss_batch, s, 0,
+                                              log)[BASELINE]
         if status == "ok":
             break
         out["notes"].append(f"reference loss trial at batch {loss_batch}: {status}")
     else:
         out.update(loss_batch=None, reference_losses=[], loss_inter_op=None)
         out["notes"].append("plain TF's reference run did not train: losses not compared")
-        return {name: ([], "not run", None) for name in timed}
+        return {name: ([], "not run", None, False) for name in timed}
     if loss_batch == batch:
-        losses = {n: (timing[n]["losses"], "ok", timing[n]["graph_changed"]) for n in timed}
+        losses = {n: (timing[n]["losses"], "ok", timing[n]["graph_changed"], None)
+                  for n in timed}
     else:
         losses = loss_trials(model, timed, loss_batch, s, 0, log)
     out.update(loss_batch=loss_batch, reference_losses=reference, loss_inter_op=None)
@@ -697,7 +697,7 @@ def run_model(model, s, names, steps, rounds, log):
     base = timing[BASELINE]["step_s"]
     for name in timed:
         t = timing[name]
-        got, status, changed = losses[name]
+        got, status, changed, _ = losses[name]
         equal = None  # not compared: the configuration's loss trial failed
         if status == "ok" and out["reference_losses"]:
             equal = got == out["reference_losses"]
@@ -729,13 +729,13 @@ def losses_beyond_plain(model, timed, rows, out, s, log):
         if name == BASELINE or not batch or batch <= plain_max:
             continue
         inter_op = out.get("loss_inter_op") or 0
-        got, status, changed = loss_trials(model, [name], batch, s, inter_op, log)[name]
-        ref, ref_status, _ = loss_trials(model, [BASELINE], batch, s, inter_op, log,
-                                         capped=False)[BASELINE]
+        got, status, changed, split = loss_trials(model, [name], batch, s, inter_op,
+                                                  log)[name]
+        ref, ref_status, _, _ = loss_trials(model, [BASELINE], batch, s, inter_op, log,
+                                            capped=False)[BASELINE]
         ok = status == "ok" and ref_status == "ok"
         # Splitting (tfmemopt's last resort) sums weight gradients over micro-batches in
         # another order: its losses are compared within SPLIT_RTOL, not bit for bit.
-        split = bool(_split_at.get((model, name, batch)))
         close = (ok and len(got) == len(ref) and
                  all(abs(a - b) <= SPLIT_RTOL * abs(b) for a, b in zip(got, ref)))
         rows[name].update(loss_equal_at_max_batch=(got == ref) if ok else None,

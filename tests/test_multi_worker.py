@@ -10,6 +10,7 @@ tf.function). ParameterServerStrategy runs in one process: TF's in-process clust
 ClusterCoordinator.
 """
 
+import inspect
 import json
 import os
 import socket
@@ -75,8 +76,8 @@ def train_step(x, y):
 finish([train_step(x, y) for _ in range(3)])
 '''
 
-PARAMETER_SERVER = MODEL + r'''
-def free_ports(n):
+
+def _free_ports(n):
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
         s.bind(("localhost", 0))
@@ -85,7 +86,10 @@ def free_ports(n):
         s.close()
     return ports
 
-p = free_ports(3)
+
+# The in-process cluster picks its ports the way the test picks the workers'.
+PARAMETER_SERVER = MODEL + inspect.getsource(_free_ports) + r'''
+p = _free_ports(3)
 spec = tf.train.ClusterSpec({"worker": [f"localhost:{p[0]}", f"localhost:{p[1]}"],
                              "ps": [f"localhost:{p[2]}"]})
 servers = [tf.distribute.Server(spec, job_name="worker", task_index=i, start=True)
@@ -113,16 +117,6 @@ for _ in range(3):
 finish(losses)
 os._exit(0)  # the in-process servers have no clean shutdown
 '''
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _result(stdout, stderr):

@@ -134,14 +134,19 @@ def _at_least(value, hi):
     return f"≥ {value} (the search's end)" if hi and value == hi else num(value)
 
 
+def _ratio(value, base, hi):
+    """value / base, a lower bound ("≥") when value is the search's end."""
+    if not (base and value):
+        return "—"
+    return ("≥ " if hi and value == hi else "") + f"{value / base:.2f}x"
+
+
 def seed000(record):
     r = record["result"]
     sizes = r["max_batch"]
     hi = r.get("settings", {}).get("hi")
     base = sizes.get("NO_MEM_OPT")
-    rows = [[name, _at_least(value, hi),
-             ("≥ " if hi and value == hi else "") + f"{value / base:.2f}x"
-             if base and value else "—"]
+    rows = [[name, _at_least(value, hi), _ratio(value, base, hi)]
             for name, value in sizes.items()]
     lines = table(["configuration", "largest batch", "vs NO_MEM_OPT"], rows)
     lines += ["", f"`floor_batch` (ops kept whole): {num(r.get('floor_batch'))}; "
@@ -162,9 +167,7 @@ def unet_split(record):
                                  ("max_batch_split", "tfmemopt (splitting allowed)",
                                   r.get("overhead_split"))):
         value = r.get(key)
-        ratio = (("≥ " if hi and value == hi else "") + f"{value / base:.2f}x"
-                 if base and value else "—")
-        rows.append([label, _at_least(value, hi), ratio,
+        rows.append([label, _at_least(value, hi), _ratio(value, base, hi),
                      pct(overhead) if overhead is not None else "—"])
     return table(["configuration", "largest batch", "vs plain TF",
                   f"step time at batch {num(r.get('timed_size'))}"], rows)
@@ -259,7 +262,7 @@ def recurrent(record):
     hi = s.get("hi")
     rows = [["without tfmemopt", _at_least(base, hi), "1.00x", "—"],
             ["tfmemopt", _at_least(mine, hi),
-             f"{mine / base:.2f}x" if base and mine else "—",
+             _ratio(mine, base, hi),
              pct(r.get("overhead_at_baseline_max"))]]
     equal = {True: "bitwise equal", False: "DIFFERENT"}.get(r.get("equal"), "not compared")
     return table(["configuration", "largest batch", "vs without",

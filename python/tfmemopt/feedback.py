@@ -156,6 +156,18 @@ def log_retry(what, record, retry, retries):
         mib(record["predicted_peak_bytes"]), then)
 
 
+def replan(what, report, error, peaks, retries_done, retries, retrying=True):
+    """The budget to plan under after `error`, logged; re-raises `error` when nothing
+    is known to plan from. A retried step's record goes into `retries_done`."""
+    record = next_budget(report, error, peaks)
+    if record["new_budget_bytes"] is None:
+        raise error
+    if retrying:
+        retries_done.append(record)
+    log_retry(what, record, len(retries_done) if retrying else None, retries)
+    return record["new_budget_bytes"]
+
+
 class VariableSnapshot:
     """Host copies of variables, to put back what a failed step may have updated."""
 

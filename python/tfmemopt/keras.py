@@ -287,14 +287,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
         return mine[-1] if mine else None
 
     def _lower_budget(self, report, error, peaks, retrying=True):
-        record = feedback.next_budget(report, error, peaks)
-        if record["new_budget_bytes"] is None:
-            raise error
-        if retrying:
-            self.retries_done.append(record)
-        feedback.log_retry("the batch", record, len(self.retries_done) if retrying else None,
-                           self.retries)
-        self.budget_bytes = record["new_budget_bytes"]
+        self.budget_bytes = feedback.replan("the batch", report, error, peaks,
+                                            self.retries_done, self.retries, retrying)
         self._steps_since_plan = 0
         self._enable()
 

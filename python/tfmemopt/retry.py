@@ -135,14 +135,8 @@ class Function:
         return sorted(devices) or ["CPU:0"]
 
     def _lower_budget(self, report, error, peaks, retrying=True):
-        record = feedback.next_budget(report, error, peaks)
-        if record["new_budget_bytes"] is None:
-            raise error
-        if retrying:
-            self.retries_done.append(record)
-        feedback.log_retry("the step", record, len(self.retries_done) if retrying else None,
-                           self.retries)
-        self.budget_bytes = record["new_budget_bytes"]
+        self.budget_bytes = feedback.replan("the step", report, error, peaks,
+                                            self.retries_done, self.retries, retrying)
         self._calls_since_plan = 0
 
 
