@@ -55,6 +55,7 @@ def main():
         "fits": report.fits,
         "recomputed_ops": len(report.recomputed_ops),
         "swapped_tensors": len(report.swapped_tensors),
+        "order_guard": {k: (len(v) if k == "edges" else v) for k, v in report.order_guard.items()},
         "simulations": report.recompute.get("simulations", 0),
         "blocks": args.blocks,
         "batch": args.batch,

@@ -15,6 +15,8 @@
 #include "grappler/analyze/executed_nodes.h"
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/plan/memory_planner.h"
+#include "grappler/plan/order_guard.h"
+#include "grappler/plan/pin_order.h"
 #include "grappler/plan/schedule.h"
 #include "grappler/plan/split_choice.h"
 #include "grappler/report/loop_report.h"
@@ -503,23 +505,61 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
                           !rewrite.loop_swap.swapped.empty() || !schedule.edges.empty() ||
                           split.applied;
 
-  // Verify: the output is a valid graph, and analyzed afresh (its own shapes, its own
-  // order) it peaks no higher than the original did.
+  // The rewritten graph analyzed afresh (its own shapes, its own order).
   // after_table points into `rewritten`, so both live to the report stage.
   GrapplerItem rewritten;
   TensorTable after_table;
   std::vector<int> after_order;
   SimulationResult after;
-  status = stages->Run("verify", [&] {
-    absl::Status s = VerifyOptimizedGraph(item, *output);
-    if (!s.ok() || !report->graph_changed) return s;
+  bool after_built = false;
+  auto analyze_output = [&]() -> absl::Status {
     rewritten = item.WithGraph(tensorflow::GraphDef(*output));
-    s = BuildTensorTable(rewritten, options, &after_table);
+    after_table = TensorTable();
+    absl::Status s = BuildTensorTable(rewritten, options, &after_table);
     if (!s.ok()) return s;
     s = TopologicalOrder(rewritten.graph, after_table, &after_order);
     if (!s.ok()) return s;
     s = Simulate(after_table, after_order, SimulationFor(devices, after_table.devices), &after);
+    after_built = s.ok();
+    return s;
+  };
+
+  // Order: the plan's peak must hold whichever ready kernel TF's executor takes
+  // first (plan/order_guard.h).
+  status = stages->Run("order", [&] {
+    if (!report->graph_changed) return absl::OkStatus();
+    absl::Status s = analyze_output();
     if (!s.ok()) return s;
+    OrderGuardOptions guard;
+    guard.simulation = SimulationFor(devices, after_table.devices);
+    for (const DeviceReport& device : devices) guard.budget_bytes[device.device] = device.budget_bytes;
+    ControlFlowInfo after_flow;
+    s = AnalyzeControlFlow(rewritten.graph, after_table, after_order, &after_flow);
+    if (!s.ok()) return s;
+    OrderGuardResult result;
+    s = GuardOrder(&after_table, after_flow, after_order, after, guard, &result);
+    if (!s.ok()) return s;
+    OrderGuardReport& out = report->order_guard;
+    out.checked = result.checked;
+    out.complete = result.complete;
+    out.edges = result.edges;
+    out.worst_peak_before_bytes = result.worst_peak_before_bytes;
+    out.worst_peak_after_bytes = result.worst_peak_after_bytes;
+    if (result.edges.empty()) return absl::OkStatus();
+    s = ApplyPinnedEdges(result.edges, output);
+    if (!s.ok()) return s;
+    return analyze_output();
+  });
+  if (!status.ok()) return status;
+
+  // Verify: the output is a valid graph, and it peaks no higher than the original did.
+  status = stages->Run("verify", [&] {
+    absl::Status s = VerifyOptimizedGraph(item, *output);
+    if (!s.ok() || !report->graph_changed) return s;
+    if (!after_built) {
+      s = analyze_output();
+      if (!s.ok()) return s;
+    }
     for (size_t d = 0; d < before.devices.size(); ++d) {
       const int a = DeviceIndex(after, before.devices[d].device);
       if (a < 0) {
@@ -546,6 +586,13 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       const int index = DeviceIndex(final_simulation, devices[d].device);
       if (index < 0) return absl::InternalError(absl::StrCat("no timeline for ", devices[d].device));
       FillDeviceFigures(final_table, final_simulation.devices[index], &devices[d]);
+      // An order the guard could not pin may run: its peak is the plan's.
+      if (changed && !report->order_guard.complete) {
+        auto worst = report->order_guard.worst_peak_after_bytes.find(devices[d].device);
+        if (worst != report->order_guard.worst_peak_after_bytes.end()) {
+          devices[d].peak_after_bytes = std::max(devices[d].peak_after_bytes, worst->second);
+        }
+      }
       FillOpWorkingSet(table, &devices[d]);
       report->timeline.push_back(final_simulation.devices[index]);
     }

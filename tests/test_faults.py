@@ -19,7 +19,7 @@ import pytest
 
 from conftest import run_python
 
-STAGES = ["analyze", "simulate", "schedule", "plan", "rewrite", "verify", "report"]
+STAGES = ["analyze", "simulate", "schedule", "plan", "rewrite", "order", "verify", "report"]
 
 SCRIPT = r'''
 import json, sys

@@ -9,17 +9,6 @@
 namespace tfmemopt {
 namespace {
 
-// Whether `n` may be made to wait for another node. (ControlFlowInfo knows the
-// base table's nodes; the loop swap's copies, added inside loop frames, are under
-// control flow too.)
-bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n) {
-  const tensorflow::NodeDef& def = *table.nodes[n].def;
-  if (flow.Under(n) || tensorflow::grappler::IsControlFlow(def) || IsLoopSwapNode(def)) {
-    return false;
-  }
-  const std::string& op = def.op();
-  return op != "_Arg" && op != "Placeholder" && op != "PlaceholderWithDefault";
-}
 
 // Whether `ancestor` is `node` or runs before it by some path of data or control
 // edges (back edges of loops included: they only add paths). An edge from `node`
@@ -46,28 +35,50 @@ bool Reaches(const TensorTable& table, int ancestor, int node) {
 
 }  // namespace
 
+bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n) {
+  const tensorflow::NodeDef& def = *table.nodes[n].def;
+  if (flow.Under(n) || tensorflow::grappler::IsControlFlow(def) || IsLoopSwapNode(def)) {
+    return false;
+  }
+  const std::string& op = def.op();
+  return op != "_Arg" && op != "Placeholder" && op != "PlaceholderWithDefault";
+}
+
+bool MayBeWaitedFor(const TensorTable& table, const ControlFlowInfo& flow, int n) {
+  const tensorflow::NodeDef& def = *table.nodes[n].def;
+  return !flow.Under(n) && !tensorflow::grappler::IsControlFlow(def) && !IsLoopSwapNode(def);
+}
+
 absl::Status PinOrder(TensorTable* table, const ControlFlowInfo& flow,
                       const std::vector<int>& target, int max_edges, TableEdit* edit,
-                      PinnedOrder* pinned, std::vector<int>* order) {
+                      PinnedOrder* pinned, std::vector<int>* order,
+                      const std::vector<InlineChoice>& choices) {
   pinned->edges.clear();
   pinned->complete = false;
   if (target.size() != table->nodes.size()) {
     return absl::InvalidArgumentError("pin order: the target does not cover the graph");
   }
+  if (choices.empty()) return absl::InvalidArgumentError("pin order: no inline choice");
+  std::vector<int> other;
   while (true) {
-    absl::Status status = ExecutorOrder(*table, order);
-    if (!status.ok()) return status;
-    size_t i = 0;
-    while (i < target.size() && (*order)[i] == target[i]) ++i;
-    if (i == target.size()) {
+    // The first choice whose order leaves the target, and where.
+    size_t i = target.size();
+    const std::vector<int>* differs = nullptr;
+    for (size_t c = 0; c < choices.size() && differs == nullptr; ++c) {
+      std::vector<int>* emulated = c == 0 ? order : &other;
+      absl::Status status = ExecutorOrder(*table, emulated, choices[c]);
+      if (!status.ok()) return status;
+      i = 0;
+      while (i < target.size() && (*emulated)[i] == target[i]) ++i;
+      if (i < target.size()) differs = emulated;
+    }
+    if (differs == nullptr) {
       pinned->complete = true;
       return absl::OkStatus();
     }
     if (static_cast<int>(pinned->edges.size()) >= max_edges) return absl::OkStatus();
-    const int early = (*order)[i], due = target[i];
-    if (!MayWait(*table, flow, early) || flow.Under(due) ||
-        tensorflow::grappler::IsControlFlow(*table->nodes[due].def) ||
-        IsLoopSwapNode(*table->nodes[due].def) ||
+    const int early = (*differs)[i], due = target[i];
+    if (!MayWait(*table, flow, early) || !MayBeWaitedFor(*table, flow, due) ||
         Reaches(*table, early, due)) {
       return absl::OkStatus();
     }

@@ -27,9 +27,17 @@
 #include "grappler/analyze/control_flow.h"
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/rewrite/recompute_pass.h"
+#include "grappler/simulate/liveness_simulator.h"
 #include "tensorflow/core/framework/graph.pb.h"
 
 namespace tfmemopt {
+
+// Whether node `n` may be made to wait for another node by a control edge (not
+// under control flow, not an input of the graph), and whether another node may wait
+// for `n` (not under control flow: a control edge cannot cross a frame). The loop
+// swap's copies, added inside loop frames, are under control flow too.
+bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n);
+bool MayBeWaitedFor(const TensorTable& table, const ControlFlowInfo& flow, int n);
 
 struct PinnedOrder {
   // Control edges added to the table, as (from, to) node indices: `to` waits for
@@ -40,12 +48,13 @@ struct PinnedOrder {
 };
 
 // Adds control edges to `table` (recorded in `edit` when given, to take back)
-// until ExecutorOrder(*table) is `target`, or `max_edges` are added, or a node that
-// may not wait would have to. `order` receives the table's executor order with the
-// edges added.
+// until ExecutorOrder(*table, choice) is `target` for every choice in `choices`, or
+// `max_edges` are added, or a node that may not wait would have to. `order`
+// receives the table's executor order with the edges added, by the first choice.
 absl::Status PinOrder(TensorTable* table, const ControlFlowInfo& flow,
                       const std::vector<int>& target, int max_edges, TableEdit* edit,
-                      PinnedOrder* pinned, std::vector<int>* order);
+                      PinnedOrder* pinned, std::vector<int>* order,
+                      const std::vector<InlineChoice>& choices = {InlineChoice::kNearestUpdate});
 
 // How many edges a plan that added `added` nodes may pin its order with.
 inline int PinEdgeLimit(int added) { return 16 + 4 * added; }

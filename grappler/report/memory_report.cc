@@ -221,7 +221,23 @@ std::string MemoryReport::ToJson() const {
   }
   out << "],\"allocator_windows\":" << plan_choice.allocator_windows
       << ",\"freed_for_allocator\":" << QuotedList(plan_choice.freed_for_allocator)
-      << "},\"loops\":[";
+      << "},\"order_guard\":{\"checked\":" << (order_guard.checked ? "true" : "false")
+      << ",\"complete\":" << (order_guard.complete ? "true" : "false") << ",\"edges\":[";
+  for (size_t i = 0; i < order_guard.edges.size(); ++i) {
+    out << (i ? "," : "") << "[" << Quote(order_guard.edges[i].first) << ","
+        << Quote(order_guard.edges[i].second) << "]";
+  }
+  out << "],\"worst_peak_before_bytes\":{";
+  for (const auto* peaks :
+       {&order_guard.worst_peak_before_bytes, &order_guard.worst_peak_after_bytes}) {
+    if (peaks == &order_guard.worst_peak_after_bytes) out << "},\"worst_peak_after_bytes\":{";
+    bool first_device = true;
+    for (const auto& [device, bytes] : *peaks) {
+      out << (first_device ? "" : ",") << Quote(device) << ":" << bytes;
+      first_device = false;
+    }
+  }
+  out << "}},\"loops\":[";
   for (size_t i = 0; i < loops.size(); ++i) {
     const LoopReport& loop = loops[i];
     out << (i ? "," : "") << "{\"frame\":" << Quote(loop.frame)

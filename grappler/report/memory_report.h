@@ -170,6 +170,16 @@ struct PlanChoiceReport {
   std::vector<std::string> freed_for_allocator;
 };
 
+// What the order guard (plan/order_guard.h) found and did.
+struct OrderGuardReport {
+  bool checked = false;
+  // Per device: the highest peak over the executor's inline choices, before and
+  // after pinning.
+  std::map<std::string, int64_t> worst_peak_before_bytes, worst_peak_after_bytes;
+  std::vector<std::pair<std::string, std::string>> edges;  // (waited for, waiting)
+  bool complete = true;
+};
+
 struct MemoryReport {
   std::string graph_id;
   std::string status = "ok";  // "ok" | "fallback"
@@ -193,6 +203,7 @@ struct MemoryReport {
   ScheduleReport schedule;
   SplitReport split;
   PlanChoiceReport plan_choice;
+  OrderGuardReport order_guard;
   std::vector<LoopReport> loops;
   int loop_swap_nodes = 0;  // nodes the loop swap added (swap-outs, swap-ins, triggers)
   // Timelines of the final graph and of the original one: per device, transient

@@ -35,7 +35,10 @@ bool AlwaysInexpensive(const std::string& op) {
 // executor's cost model marks it inexpensive after the first step.
 constexpr int64_t kExpensiveKernelBytes = 64 << 10;
 
-bool IsExpensive(const TensorTable& table, int n) {
+
+}  // namespace
+
+bool IsExpensiveKernel(const TensorTable& table, int n) {
   const NodeInfo& node = table.nodes[n];
   if (AlwaysInexpensive(node.def->op())) return false;
   int64_t bytes = 0;
@@ -43,6 +46,8 @@ bool IsExpensive(const TensorTable& table, int n) {
   for (int t : node.outputs) bytes += table.tensors[t].bytes;
   return bytes >= kExpensiveKernelBytes;
 }
+
+namespace {
 
 int64_t OutputBytes(const TensorTable& table, int n) {
   int64_t bytes = 0;
@@ -669,8 +674,10 @@ void AddLoopBarriers(const TensorTable& table, AddEdge add_edge) {
 // the data gradient in 53 of 55 layers (so the update copies the variable that
 // the data gradient still reads). The emulation therefore runs inline the
 // expensive successor nearest to a variable update, then the one with the
-// largest output.
-absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
+// largest output (InlineChoice::kNearestUpdate); the other choices let the
+// planner check that a plan does not depend on that guess (plan/order_guard.h).
+absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order,
+                           InlineChoice choice) {
   // Grappler's topological order tells loop back edges from forward ones; it is
   // computed on the table, so the planner's working tables (clones and swap nodes
   // applied in place, no GraphDef) are ordered exactly as their rewritten graphs.
@@ -732,9 +739,11 @@ absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order) {
     }
   }
   std::vector<bool> expensive(num_nodes);
-  for (int n = 0; n < num_nodes; ++n) expensive[n] = IsExpensive(table, n);
+  for (int n = 0; n < num_nodes; ++n) expensive[n] = IsExpensiveKernel(table, n);
   // Better candidates to run inline sort last.
   auto inline_last = [&](int a, int b) {
+    if (choice == InlineChoice::kFirstInGraph) return topo_position[a] > topo_position[b];
+    if (choice == InlineChoice::kLastInGraph) return topo_position[a] < topo_position[b];
     if (to_update[a] != to_update[b]) return to_update[a] > to_update[b];
     const int64_t bytes_a = OutputBytes(table, a), bytes_b = OutputBytes(table, b);
     if (bytes_a != bytes_b) return bytes_a < bytes_b;

@@ -98,10 +98,28 @@ struct SimulationResult {
   std::vector<DeviceTimeline> devices;  // same order as TensorTable::devices
 };
 
+// Which of the expensive successors that a finished kernel makes ready at once TF's
+// executor runs inline (the others go to the inter-op pool). TF takes the one its
+// out-edge list holds last; that list's order is not fixed by the graph (an EdgeSet
+// past four edges is ordered by the edges' addresses), so it can differ from one
+// machine or process to another.
+enum class InlineChoice {
+  kNearestUpdate,  // nearest to a variable update, then the largest output (what
+                   // was measured on ResNet50 and the MLP; the default)
+  kFirstInGraph,   // the first in the sorted graph's order
+  kLastInGraph,    // the last in the sorted graph's order
+};
+
+// Whether TF's executor runs node `n`'s kernel as a task of its own (expensive)
+// rather than inline: its kernel class may be expensive and, after the first step's
+// cost measurement, it still takes more than a few microseconds (by its bytes).
+bool IsExpensiveKernel(const TensorTable& table, int n);
+
 // The order in which TF's executor runs the graph's kernels, emulated from its
 // scheduling rules (see ExecutorOrder in the .cc): a topological order of the
 // table's graph, with loop back edges (NextIteration -> Merge) ignored.
-absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order);
+absl::Status ExecutorOrder(const TensorTable& table, std::vector<int>* order,
+                           InlineChoice choice = InlineChoice::kNearestUpdate);
 
 // The order to simulate a graph in: ExecutorOrder.
 absl::Status TopologicalOrder(const tensorflow::GraphDef& graph,

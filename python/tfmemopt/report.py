@@ -81,6 +81,10 @@ class Report:
     planned, applied, batch, slices, rows, stages, ops (the split ops), op_types, cuts,
     joins, sums, added_seconds, left_alone, trials (what the planner simulated: slices,
     region_ops, peak_bytes per device, fits), note),
+    order_guard (the orders TF's executor may run the rewritten graph in, checked
+    against the budget: checked, edges that pin the planned order as [waited for,
+    waiting] node names, complete, worst_peak_before_bytes and worst_peak_after_bytes
+    per device; see docs/design.md),
     loops (per while-loop: its trip count, the TensorLists it fills, which of them were
     moved to host memory as they fill, with bytes and predicted copy time, and
     left_alone, why not; see docs/loops.md), stage_seconds, total_seconds.
@@ -124,6 +128,7 @@ class Report:
         self.recompute = data.get("recompute", {})
         self.swap = data.get("swap", {})
         self.schedule = data.get("schedule", {})
+        self.order_guard = data.get("order_guard", {})
         self.split = data.get("split", {})
         # Per while-loop: frame, backward, trip_count (+ trip_count_source),
         # parallel_iterations, left_alone (why nothing of it moved) and lists: the
@@ -257,6 +262,7 @@ class Report:
                 "the budget could not be met with tensors of 1 MiB and more alone"
                 " (min_tensor_bytes=-1, adaptive)")
         lines.extend(self._schedule_lines())
+        lines.extend(self._order_guard_lines())
         lines.extend(self._split_lines())
         lines.extend(self._recompute_lines())
         lines.extend(self._swap_lines())
@@ -283,6 +289,20 @@ class Report:
         if len(sc.get("edges", [])) > 5:
             lines.append("    ...")
         return lines
+
+    def _order_guard_lines(self):
+        og = self.order_guard
+        if not og.get("edges") and og.get("complete", True):
+            return []
+        worst = ", ".join(
+            f"{device or '(unplaced)'} {format_bytes(before)} -> "
+            f"{format_bytes(og['worst_peak_after_bytes'].get(device, before))}"
+            for device, before in sorted(og.get("worst_peak_before_bytes", {}).items()))
+        line = (f"  order: {len(og['edges'])} control edges pin the planned order "
+                f"(peak in the worst order TF's executor may pick {worst})")
+        if not og.get("complete", True):
+            line += "; not every order could be pinned, the worst is the predicted peak"
+        return [line]
 
     def _recompute_lines(self):
         rc = self.recompute

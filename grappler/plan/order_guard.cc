@@ -1,0 +1,113 @@
+#include "grappler/plan/order_guard.h"
+
+#include <algorithm>
+
+#include "grappler/plan/memory_planner.h"
+#include "grappler/plan/pin_order.h"
+
+namespace tfmemopt {
+namespace {
+
+constexpr InlineChoice kChoices[] = {InlineChoice::kNearestUpdate, InlineChoice::kFirstInGraph,
+                                     InlineChoice::kLastInGraph};
+
+// Per device name, the highest PredictedPeak over the choices' orders.
+absl::Status WorstPeaks(const TensorTable& table, const SimulationOptions& simulation,
+                        std::map<std::string, int64_t>* worst) {
+  worst->clear();
+  for (InlineChoice choice : kChoices) {
+    std::vector<int> order;
+    absl::Status status = ExecutorOrder(table, &order, choice);
+    if (!status.ok()) return status;
+    SimulationResult result;
+    status = Simulate(table, order, simulation, &result);
+    if (!status.ok()) return status;
+    for (const DeviceTimeline& device : result.devices) {
+      int64_t& peak = (*worst)[device.device];
+      peak = std::max(peak, PredictedPeak(device));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Whether some device's worst peak is over its budget while the planned order's is
+// not (a plan that does not fit in its own order is the planner's to report).
+bool OrderDecidesFit(const std::map<std::string, int64_t>& worst,
+                     const SimulationResult& planned,
+                     const std::map<std::string, int64_t>& budgets) {
+  for (const DeviceTimeline& device : planned.devices) {
+    auto budget = budgets.find(device.device);
+    auto peak = worst.find(device.device);
+    if (budget == budgets.end() || budget->second <= 0 || peak == worst.end()) continue;
+    if (peak->second > budget->second && PredictedPeak(device) <= budget->second) return true;
+  }
+  return false;
+}
+
+// In `target`, the kernel that finishes last among a node's inputs is the one that
+// makes it ready. Where one kernel makes two or more expensive nodes ready at once,
+// TF's choice among them is the arbitrary one: every such node but the first (in
+// `target`) is made to wait for the node right before it in `target`, so that it
+// becomes ready just when the target runs it. One pass in target order, an edge per
+// ambiguity; the edges follow `target`, so none closes a cycle. (PinOrder then fixes
+// what this leaves, one emulation per edge.)
+void WaitForPredecessors(TensorTable* table, const ControlFlowInfo& flow,
+                         const std::vector<int>& target, PinnedOrder* pinned) {
+  const int num_nodes = static_cast<int>(table->nodes.size());
+  std::vector<int> position(num_nodes, -1);
+  for (int i = 0; i < static_cast<int>(target.size()); ++i) position[target[i]] = i;
+  // claimed[n]: an expensive node that n's completion makes ready, first in target.
+  std::vector<int> claimed(num_nodes, -1);
+  for (int i = 0; i < static_cast<int>(target.size()); ++i) {
+    const int s = target[i];
+    int last = -1;
+    auto consider = [&](int p) {
+      // Loop back edges (from a node the target runs later) make nothing ready.
+      if (p >= 0 && position[p] < i && (last < 0 || position[p] > position[last])) last = p;
+    };
+    for (int t : table->nodes[s].inputs) consider(table->tensors[t].node);
+    for (int c : table->nodes[s].control_inputs) consider(c);
+    if (last < 0 || !IsExpensiveKernel(*table, s)) continue;
+    if (claimed[last] < 0) {
+      claimed[last] = s;
+      continue;
+    }
+    const int before = target[i - 1];
+    if (before == last || !MayWait(*table, flow, s) || !MayBeWaitedFor(*table, flow, before)) {
+      continue;
+    }
+    table->nodes[s].control_inputs.push_back(before);
+    pinned->edges.push_back({before, s});
+    claimed[before] = s;
+  }
+}
+
+}  // namespace
+
+absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
+                        const std::vector<int>& order, const SimulationResult& planned,
+                        const OrderGuardOptions& options, OrderGuardResult* result) {
+  *result = OrderGuardResult();
+  for (const auto& [device, bytes] : options.budget_bytes) result->checked |= bytes > 0;
+  if (!result->checked) return absl::OkStatus();
+  absl::Status status = WorstPeaks(*table, options.simulation, &result->worst_peak_before_bytes);
+
+  if (!status.ok()) return status;
+  result->worst_peak_after_bytes = result->worst_peak_before_bytes;
+  if (!OrderDecidesFit(result->worst_peak_before_bytes, planned, options.budget_bytes)) {
+    return absl::OkStatus();
+  }
+  PinnedOrder ready_sets, pinned;
+  WaitForPredecessors(table, flow, order, &ready_sets);
+  std::vector<int> pinned_order;
+  const std::vector<InlineChoice> choices(std::begin(kChoices), std::end(kChoices));
+  status = PinOrder(table, flow, order, options.max_edges, /*edit=*/nullptr, &pinned,
+                    &pinned_order, choices);
+  if (!status.ok()) return status;
+  pinned.edges.insert(pinned.edges.begin(), ready_sets.edges.begin(), ready_sets.edges.end());
+  result->edges = PinnedEdgeNames(*table, pinned);
+  result->complete = pinned.complete;
+  return WorstPeaks(*table, options.simulation, &result->worst_peak_after_bytes);
+}
+
+}  // namespace tfmemopt

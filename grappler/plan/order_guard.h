@@ -1,0 +1,59 @@
+// Plan: a plan's peak must not hang on a guess about TF's executor.
+//
+// When a kernel finishes and makes several expensive kernels ready at once, TF's
+// executor runs one of them inline and queues the others; which one depends on the
+// order of the kernel's out edges, which the graph does not fix (InlineChoice,
+// simulate/liveness_simulator.h). The planner simulates one choice. A plan whose
+// peak is low in that order can be much higher in another: a split's slices, a
+// clone's reader, a weight gradient run before or after the data gradient of the
+// same layer. The guard simulates the rewritten graph under every choice; when one
+// of them exceeds a device's budget, it pins the planned order with control edges
+// (PinOrder over every choice, plan/pin_order.h), so that whichever successor TF
+// takes, the order run is the one planned. What it cannot pin (nodes under control
+// flow, the edge limit) it reports, and the plan's peak is then the worst choice's.
+#ifndef TFMEMOPT_GRAPPLER_PLAN_ORDER_GUARD_H_
+#define TFMEMOPT_GRAPPLER_PLAN_ORDER_GUARD_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "grappler/analyze/control_flow.h"
+#include "grappler/analyze/tensor_table.h"
+#include "grappler/simulate/liveness_simulator.h"
+
+namespace tfmemopt {
+
+struct OrderGuardOptions {
+  SimulationOptions simulation;  // for the table's devices
+  // Budget per device name; devices without one (or 0) are not checked.
+  std::map<std::string, int64_t> budget_bytes;
+  // Most control edges the guard adds; each costs a few emulations of the graph.
+  int max_edges = 256;
+};
+
+struct OrderGuardResult {
+  bool checked = false;  // some device had a budget
+  // Per device name: the highest predicted peak over the inline choices, before
+  // and after pinning (after == the planned order's peak when `complete`).
+  std::map<std::string, int64_t> worst_peak_before_bytes, worst_peak_after_bytes;
+  // Added control edges, as (waited for, waiting) node names.
+  std::vector<std::pair<std::string, std::string>> edges;
+  // Every choice runs the planned order (or none had to be pinned).
+  bool complete = true;
+};
+
+// Checks `table` (a rewritten graph, its executor order `order` and `planned`, the
+// simulation of that order) under every InlineChoice; pins where a choice exceeds a
+// budget that the planned order meets. The edges are added to `table`'s control
+// inputs and listed in `result` (to add to the GraphDef, ApplyPinnedEdges).
+absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
+                        const std::vector<int>& order, const SimulationResult& planned,
+                        const OrderGuardOptions& options, OrderGuardResult* result);
+
+}  // namespace tfmemopt
+
+#endif  // TFMEMOPT_GRAPPLER_PLAN_ORDER_GUARD_H_
