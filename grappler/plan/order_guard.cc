@@ -91,7 +91,6 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
   for (const auto& [device, bytes] : options.budget_bytes) result->checked |= bytes > 0;
   if (!result->checked) return absl::OkStatus();
   absl::Status status = WorstPeaks(*table, options.simulation, &result->worst_peak_before_bytes);
-
   if (!status.ok()) return status;
   result->worst_peak_after_bytes = result->worst_peak_before_bytes;
   if (!OrderDecidesFit(result->worst_peak_before_bytes, planned, options.budget_bytes)) {
