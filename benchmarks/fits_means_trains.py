@@ -18,7 +18,10 @@ cap (TF's BFC CPU allocator limited to --cap-mb, or the model's own cap below):
 A claim that runs out of memory is a failure ("fits_but_oom"). With --retry the steps
 run through tfmemopt's re-plan-on-OOM wrapper (tfmemopt.function, when the installed
 tfmemopt has it); a claim that trains after a re-plan counts as "trained_after_retry"
-(0 while tfmemopt has no such wrapper). max_abs_error is the largest |predicted -
+(0 while tfmemopt has no such wrapper). A claim's first attempt runs the plan exactly as
+a run without the wrapper does, so "first_attempt_oom" (claims that were retried or
+failed) is what a run without --retry would have counted, and "models_without_oom" the
+models with claims where no first attempt ran out of memory. max_abs_error is the largest |predicted -
 measured| / measured over the claims that trained, where predicted is the report's
 peak after the plan and measured the highest of the steps' own allocator peaks
 after the first step.
@@ -27,7 +30,8 @@ Usage: python benchmarks/fits_means_trains.py [--models NAME ...] [--cap-mb N]
            [--growth 1.15] [--tolerance 0.03] [--sizes 8] [--steps 3] [--retry]
            [--json]
 With --json, the last line of stdout is one JSON object:
-{"models", "claims", "fits_but_oom", "trained_after_retry", "max_abs_error",
+{"models", "claims", "fits_but_oom", "trained_after_retry", "first_attempt_oom",
+ "models_without_oom", "max_abs_error",
  "failures": [{"model", "batch", "predicted", "error"}], "per_model": {...}}.
 """
 
@@ -285,12 +289,19 @@ def main():
         if c["status"] == "oom":
             failures.append({k: c.get(k) for k in ("model", "batch", "predicted", "error")})
     errors = [abs(c["rel_error"]) for c in claims if "rel_error" in c]
+    # A claim's first attempt runs the plan as it runs without the wrapper: with
+    # --retry, a claim that needed a re-plan (or failed anyway) ran out of memory there.
+    first_oom = {m: sum(1 for c in r.get("claims", []) if c["status"] == "oom" or c["retried"])
+                 for m, r in per_model.items()}
     summary = {
         "models": len([m for m, r in per_model.items() if r.get("claims")]),
         "models_swept": len(per_model),
         "claims": len(claims),
         "fits_but_oom": len(failures),
         "trained_after_retry": sum(1 for c in claims if c["status"] == "ok" and c["retried"]),
+        "first_attempt_oom": sum(first_oom.values()),
+        "models_without_oom": sorted(m for m, r in per_model.items()
+                                     if r.get("claims") and first_oom[m] == 0),
         "max_abs_error": max(errors) if errors else None,
         "failures": failures,
         "retry": args.retry,
@@ -299,6 +310,8 @@ def main():
     log(f"{summary['claims']} claims on {summary['models']} models: "
         f"{summary['fits_but_oom']} ran out of memory, {summary['trained_after_retry']} "
         f"trained after a retry; max |error| {summary['max_abs_error']}")
+    log(f"first attempts out of memory: {summary['first_attempt_oom']}; models with claims "
+        f"and none: {len(summary['models_without_oom'])} ({', '.join(summary['models_without_oom'])})")
     for f in failures:
         log(f"  fits but OOM: {f['model']} batch {f['batch']} (predicted "
             f"{(f['predicted'] or 0) / 2**20:.1f} MiB): {f['error']}")
