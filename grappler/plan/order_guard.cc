@@ -44,6 +44,16 @@ bool OrderDecidesFit(const std::map<std::string, int64_t>& worst,
   return false;
 }
 
+// Whether some device's worst peak in `after` is below its worst peak in `before`.
+bool Lowers(const std::map<std::string, int64_t>& after,
+            const std::map<std::string, int64_t>& before) {
+  for (const auto& [device, peak] : after) {
+    auto it = before.find(device);
+    if (it != before.end() && peak < it->second) return true;
+  }
+  return false;
+}
+
 // In `target`, the kernel that finishes last among a node's inputs is the one that
 // makes it ready. Where one kernel makes two or more expensive nodes ready at once,
 // TF's choice among them is the arbitrary one: every such node but the first (in
@@ -96,6 +106,11 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
   if (!OrderDecidesFit(result->worst_peak_before_bytes, planned, options.budget_bytes)) {
     return absl::OkStatus();
   }
+  // Pinning may stop incomplete; its edges are kept only if they lower some device's
+  // worst peak, so the saved control inputs let the guard take them back.
+  std::vector<std::vector<int>> control_inputs_before;
+  control_inputs_before.reserve(table->nodes.size());
+  for (const NodeInfo& node : table->nodes) control_inputs_before.push_back(node.control_inputs);
   PinnedOrder ready_sets, pinned;
   WaitForPredecessors(table, flow, order, &ready_sets);
   std::vector<int> pinned_order;
@@ -104,9 +119,19 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
                     &pinned_order, choices);
   if (!status.ok()) return status;
   pinned.edges.insert(pinned.edges.begin(), ready_sets.edges.begin(), ready_sets.edges.end());
-  result->edges = PinnedEdgeNames(*table, pinned);
   result->complete = pinned.complete;
-  return WorstPeaks(*table, options.simulation, &result->worst_peak_after_bytes);
+  status = WorstPeaks(*table, options.simulation, &result->worst_peak_after_bytes);
+  if (!status.ok()) return status;
+  if (!pinned.complete &&
+      !Lowers(result->worst_peak_after_bytes, result->worst_peak_before_bytes)) {
+    for (size_t n = 0; n < table->nodes.size(); ++n) {
+      table->nodes[n].control_inputs = std::move(control_inputs_before[n]);
+    }
+    result->worst_peak_after_bytes = result->worst_peak_before_bytes;
+    return absl::OkStatus();
+  }
+  result->edges = PinnedEdgeNames(*table, pinned);
+  return absl::OkStatus();
 }
 
 }  // namespace tfmemopt

@@ -10,7 +10,8 @@
 // of them exceeds a device's budget, it pins the planned order with control edges
 // (PinOrder over every choice, plan/pin_order.h), so that whichever successor TF
 // takes, the order run is the one planned. What it cannot pin (nodes under control
-// flow, the edge limit) it reports, and the plan's peak is then the worst choice's.
+// flow, the edge limit) it reports, and the plan's peak is then the worst choice's;
+// edges of an incomplete pinning that lower no device's worst peak are taken back.
 #ifndef TFMEMOPT_GRAPPLER_PLAN_ORDER_GUARD_H_
 #define TFMEMOPT_GRAPPLER_PLAN_ORDER_GUARD_H_
 
