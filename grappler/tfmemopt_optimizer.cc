@@ -431,10 +431,10 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       s = PlanSplit(planned_item, table, order, flow, options, planner, plan, &split);
       if (!s.ok()) return s;
       if (split.applied) {
-        plan = std::move(split.plan);
-        rewrite = std::move(split.rewrite);
-        planned = std::move(split.simulation);
-        planned_table = &split.table;
+        plan = std::move(split.chosen.plan);
+        rewrite = std::move(split.chosen.rewrite);
+        planned = std::move(split.chosen.simulation);
+        planned_table = &split.chosen.table;
       }
       FillSplitReport(split, &report->split);
     }
@@ -480,7 +480,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   status = stages->Run("rewrite", [&] {
     const RecomputeRewrite& recompute = rewrite.recompute;
     const SwapRewrite& swap = rewrite.swap;
-    if (split.applied) *output = split.item->graph;
+    if (split.applied) *output = split.chosen.item->graph;
     if (recompute.cloned.empty() && swap.swapped.empty() && rewrite.loop_swap.swapped.empty()) {
       return absl::OkStatus();
     }

@@ -176,13 +176,7 @@ int64_t LargestWorkingSet(const TensorTable& table, const std::vector<int>& node
 }
 
 struct Trial {
-  std::unique_ptr<GrapplerItem> item;
-  TensorTable table;
-  std::vector<int> order;
-  ControlFlowInfo flow;
-  MemoryPlan plan;
-  PlannedRewrite rewrite;
-  SimulationResult simulation;
+  SplitGraph graph;
   SplitSpec spec;
   SplitSummary summary;
   SplitTrial result;
@@ -273,6 +267,7 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
          k *= 2) {
       ++trials;
       auto trial = std::make_unique<Trial>();
+      SplitGraph& candidate = trial->graph;
       trial->spec.nodes = region;
       trial->spec.slices = k;
       trial->spec.preserved = preserved;
@@ -286,20 +281,23 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
       }
       VLOG(1) << "TfMemOpt split: built " << region.size() << " ops in " << k << " slices, "
               << trial->summary.stages << " stages, " << graph.node_size() << " nodes";
-      trial->item = std::make_unique<GrapplerItem>(item.WithGraph(std::move(graph)));
-      status = BuildTensorTable(*trial->item, options, &trial->table);
-      if (status.ok()) status = TopologicalOrder(trial->item->graph, trial->table, &trial->order);
+      candidate.item = std::make_unique<GrapplerItem>(item.WithGraph(std::move(graph)));
+      status = BuildTensorTable(*candidate.item, options, &candidate.table);
       if (status.ok()) {
-        status = AnalyzeControlFlow(trial->item->graph, trial->table, trial->order, &trial->flow);
+        status = TopologicalOrder(candidate.item->graph, candidate.table, &candidate.order);
       }
       if (status.ok()) {
-        status = trial->table.devices == table.devices
+        status = AnalyzeControlFlow(candidate.item->graph, candidate.table, candidate.order,
+                                    &candidate.flow);
+      }
+      if (status.ok()) {
+        status = candidate.table.devices == table.devices
                      ? absl::OkStatus()
                      : absl::FailedPreconditionError("the split graph uses other devices");
       }
       if (status.ok()) {
-        status = PlanMemory(trial->table, trial->order, trial->flow, trial_planner,
-                            &trial->plan, &trial->rewrite, &trial->simulation);
+        status = PlanMemory(candidate.table, candidate.order, candidate.flow, trial_planner,
+                            &candidate.plan, &candidate.rewrite, &candidate.simulation);
       }
       if (!status.ok()) {
         // A candidate that cannot be analyzed or planned is not split; the plan
@@ -311,9 +309,9 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
       SplitTrial& result = trial->result;
       result.slices = k;
       result.region_nodes = static_cast<int>(region.size());
-      result.peak_bytes = trial->plan.peak_bytes;
-      result.fits = !NeedsSplit(trial->plan, trial->simulation, planner.budget_bytes);
-      result.added_seconds = AddedCompute(trial->table) + trial->plan.added_seconds +
+      result.peak_bytes = candidate.plan.peak_bytes;
+      result.fits = !NeedsSplit(candidate.plan, candidate.simulation, planner.budget_bytes);
+      result.added_seconds = AddedCompute(candidate.table) + candidate.plan.added_seconds +
                              kSliceOverheadSeconds * trial->summary.added_nodes;
       out->trials.push_back(result);
       VLOG(1) << "TfMemOpt split: " << region.size() << " ops in " << k << " slices: peak "
@@ -353,13 +351,7 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
     out->note = absl::StrCat("no split fits the budget; the one applied reaches the lowest peak "
                              "found (", best->result.slices, " slices)");
   }
-  out->item = std::move(best->item);
-  out->table = std::move(best->table);
-  out->order = std::move(best->order);
-  out->flow = std::move(best->flow);
-  out->plan = std::move(best->plan);
-  out->rewrite = std::move(best->rewrite);
-  out->simulation = std::move(best->simulation);
+  out->chosen = std::move(best->graph);
   return absl::OkStatus();
 }
 

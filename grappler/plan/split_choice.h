@@ -49,6 +49,17 @@ struct SplitTrial {
   double added_seconds = 0;
 };
 
+// A split graph, analyzed and planned. table.nodes point into item->graph.
+struct SplitGraph {
+  std::unique_ptr<tensorflow::grappler::GrapplerItem> item;
+  TensorTable table;
+  std::vector<int> order;
+  ControlFlowInfo flow;
+  MemoryPlan plan;
+  PlannedRewrite rewrite;
+  SimulationResult simulation;
+};
+
 struct SplitOutcome {
   bool planned = false;  // the split planner ran
   bool applied = false;  // a split was chosen
@@ -61,15 +72,8 @@ struct SplitOutcome {
   std::map<std::string, int> left_alone;  // per-sample analysis: ops not splittable, by reason
   double added_seconds = 0;
   std::vector<SplitTrial> trials;
-  // The chosen split graph and its plan (when applied). table.nodes point into
-  // item->graph.
-  std::unique_ptr<tensorflow::grappler::GrapplerItem> item;
-  TensorTable table;
-  std::vector<int> order;
-  ControlFlowInfo flow;
-  MemoryPlan plan;
-  PlannedRewrite rewrite;
-  SimulationResult simulation;
+  // The chosen split graph and its plan (when applied).
+  SplitGraph chosen;
 };
 
 // Plans a split of `item` (whose table, order and control flow are given) under
