@@ -19,7 +19,6 @@ Usage: python benchmarks/deep_resnet.py [--batch 128] [--cap-mb 768] [--max-dept
 "overhead_at_baseline_max" (tfmemopt's), "overhead_auto", ...}.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -68,22 +67,12 @@ def plot(results, cap_mb, batch, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--width", type=int, help="channels of the residual blocks")
-    parser.add_argument("--cap-mb", type=int, help="CPU allocator cap in MiB")
-    parser.add_argument("--lo", type=int, help="first depth tried")
-    parser.add_argument("--max-depth", type=int, help="deepest network tried")
-    parser.add_argument("--steps", type=int, help="training steps per search trial")
-    parser.add_argument("--rounds", type=int, help="timed steps per configuration")
-    parser.add_argument("--plot", metavar="OUT.png", help="write peak vs depth as a PNG")
-    parser.add_argument("--json", action="store_true",
-                        help="print the results as one JSON line, last")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a tiny configuration for tests: {QUICK}")
-    args = parser.parse_args()
-    settings = dict(QUICK if args.quick else DEFAULTS)
-    settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
+    args, settings = models.benchmark_settings(
+        __doc__.splitlines()[0], DEFAULTS, QUICK,
+        {"width": "channels of the residual blocks", "lo": "first depth tried",
+         "max_depth": "deepest network tried"},
+        extra=lambda parser: parser.add_argument(
+            "--plot", metavar="OUT.png", help="write peak vs depth as a PNG"))
     batch, cap_mb = settings["batch"], settings["cap_mb"]
     step_kwargs = {"batch": batch, "width": settings["width"]}
 

@@ -4,11 +4,44 @@ Every model trains with a GradientTape step and Adam in one tf.function, on a
 fixed-shape synthetic batch, so that the graph TF builds is the same each run.
 """
 
+import argparse
+
 import numpy as np
 import tensorflow as tf
 
 from tfmemopt.demo import keras_train_step as _train_step
 from tfmemopt.demo import seed_cnn_train_step
+
+
+# The settings every search benchmark takes (resnet50_lms.py, deep_resnet.py,
+# unet_split.py): each is an int option that overrides DEFAULTS, or QUICK with --quick.
+SETTING_HELP = {
+    "batch": "batch size",
+    "cap_mb": "CPU allocator cap in MiB",
+    "steps": "training steps per search trial",
+    "rounds": "timed steps per configuration",
+}
+
+
+def benchmark_settings(description, defaults, quick, helps, extra=None):
+    """Parses a search benchmark's command line: one int option per key of `defaults`
+    (help from `helps`, else SETTING_HELP), --json and --quick; `extra(parser)` adds
+    the script's own options. Returns (args, settings): QUICK with --quick, else
+    DEFAULTS, updated by the options given."""
+    parser = argparse.ArgumentParser(description=description)
+    for key in defaults:
+        parser.add_argument("--" + key.replace("_", "-"), type=int,
+                            help=helps.get(key, SETTING_HELP.get(key)))
+    if extra is not None:
+        extra(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as one JSON line, last")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a small configuration for tests: {quick}")
+    args = parser.parse_args()
+    settings = dict(quick if args.quick else defaults)
+    settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
+    return args, settings
 
 
 def _classification_batch(batch, input_shape, classes, seed=0):

@@ -19,7 +19,6 @@ Usage: python benchmarks/resnet50_lms.py [--cap-mb 1024] [--lo 16] [--hi 1024] [
 "overhead_at_baseline_max" (tfmemopt's), "overhead_auto", ...}.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -40,20 +39,10 @@ QUICK = dict(size=32, cap_mb=512, lo=2, hi=2, steps=2, rounds=2)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, help="image height and width")
-    parser.add_argument("--cap-mb", type=int, help="CPU allocator cap in MiB")
-    parser.add_argument("--lo", type=int, help="first batch tried")
-    parser.add_argument("--hi", type=int, help="largest batch tried")
-    parser.add_argument("--steps", type=int, help="training steps per search trial")
-    parser.add_argument("--rounds", type=int, help="timed steps per configuration")
-    parser.add_argument("--json", action="store_true",
-                        help="print the results as one JSON line, last")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a small configuration for tests: {QUICK}")
-    args = parser.parse_args()
-    settings = dict(QUICK if args.quick else DEFAULTS)
-    settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
+    args, settings = models.benchmark_settings(
+        __doc__.splitlines()[0], DEFAULTS, QUICK,
+        {"size": "image height and width", "lo": "first batch tried",
+         "hi": "largest batch tried"})
     cap_mb = settings["cap_mb"]
 
     print(f"resnet50_lms: Keras ResNet50 on {settings['size']}x{settings['size']} images, cap "

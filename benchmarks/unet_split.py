@@ -21,7 +21,6 @@ Usage: python benchmarks/unet_split.py [--cap-mb 1024] [--lo 8] [--hi 1024]
 "overhead_split", "overhead_no_split", ...}.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -38,21 +37,10 @@ QUICK = dict(cap_mb=256, lo=4, hi=4, size=32, width=4, steps=2, rounds=2)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cap-mb", type=int, help="CPU allocator cap in MiB")
-    parser.add_argument("--lo", type=int, help="smallest batch searched")
-    parser.add_argument("--hi", type=int, help="largest batch searched")
-    parser.add_argument("--size", type=int, help="image height and width")
-    parser.add_argument("--width", type=int, help="channels of the first level")
-    parser.add_argument("--steps", type=int, help="training steps per search trial")
-    parser.add_argument("--rounds", type=int, help="timed steps per configuration")
-    parser.add_argument("--json", action="store_true",
-                        help="print the results as one JSON line, last")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a tiny configuration for tests: {QUICK}")
-    args = parser.parse_args()
-    settings = dict(QUICK if args.quick else DEFAULTS)
-    settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
+    args, settings = models.benchmark_settings(
+        __doc__.splitlines()[0], DEFAULTS, QUICK,
+        {"lo": "smallest batch searched", "hi": "largest batch searched",
+         "size": "image height and width", "width": "channels of the first level"})
     cap_mb = settings["cap_mb"]
     step_kwargs = {"size": settings["size"], "width": settings["width"]}
     print(f"unet_split: U-Net {settings['size']}x{settings['size']}, width "
