@@ -255,6 +255,24 @@ def test_clones_run_where_the_plan_puts_them_so_dag7_costs_the_optimum(optimalit
     assert case["ratio"] == pytest.approx(1.0, abs=0.01), case
 
 
+def test_a_clone_serves_only_the_readers_after_the_peak_so_dag8_costs_the_optimum(optimality):
+    # dag8's peak falls between the two backward readers of the first ReLU: the
+    # weight gradient of the next MatMul reads it before the peak, ReluGrad after.
+    # A clone serving both is made before the first and is live across the peak, so
+    # no recomputation lowered it (ours missed every budget). The MILP recomputes
+    # MatMul + ReLU for ReluGrad only; so does the pinned plan whose clones serve the
+    # backward readers from the peak on (Choice::clone_readers_from).
+    metagraph = optimality.load("dag8")
+    graph, (case,), checks = optimality.evaluate("dag8", metagraph, [0.8], time_limit=30,
+                                                 log=lambda *_: None)
+    assert checks == []
+    assert case["milp_status"] == "optimal" and case["ours_fits"], case
+    assert sorted(case["ours_recomputed"]) == ["Relu", "matmul"]
+    assert case["ours_replay"] == case["ours_peak"] == case["ours_verify_peak"]
+    assert case["ours_peak"] == case["milp_replay"] <= case["budget"]
+    assert case["ratio"] == pytest.approx(1.0, abs=0.01), case
+
+
 def test_quick_run_prints_the_summary_as_its_last_line():
     import json
     import subprocess

@@ -58,7 +58,8 @@ absl::Status Planner::Apply(const Choice& choice) {
   const std::vector<int>* order = &ctx_.order;
   for (size_t m = 0; m < mechanisms_.size(); ++m) {
     absl::Status status =
-        choice.pinned ? mechanisms_[m]->ApplyPinned(&work_, *order, choice.items[m])
+        choice.pinned ? mechanisms_[m]->ApplyPinned(&work_, *order, choice.items[m],
+                                                    choice.clone_readers_from)
                       : mechanisms_[m]->Apply(&work_, *order, choice.items[m], choice.variant);
     applied_ = static_cast<int>(m) + 1;
     if (!status.ok()) return status;
@@ -102,7 +103,7 @@ absl::Status Planner::Evaluate(Choice choice, Evaluated* out) {
   std::vector<Choice> others;
   Choice pinned = choice;
   pinned.pinned = true;
-  others.push_back(std::move(pinned));
+  others.push_back(pinned);
   if (variant) {
     Choice other = choice;
     other.variant = true;
@@ -117,7 +118,28 @@ absl::Status Planner::Evaluate(Choice choice, Evaluated* out) {
       *out = std::move(trial);
     }
   }
+  if (!status.ok() || out->excess <= 0) return status;
+  // Still over: pinned again, with the clones serving only the backward readers from
+  // the best placement's peak on (Choice::clone_readers_from).
+  pinned.clone_readers_from = BaseNodeAtTarget(*out);
+  if (pinned.clone_readers_from < 0) return status;
+  Evaluated trial;
+  status = EvaluateAs(std::move(pinned), &trial);
+  if (status.ok() && CloserToFitting(trial.objective(), out->objective(), false)) {
+    *out = std::move(trial);
+  }
   return status;
+}
+
+int Planner::BaseNodeAtTarget(const Evaluated& state) const {
+  const Target target = TargetOf(state.objective(), state.simulation);
+  const int base_nodes = static_cast<int>(ctx_.table.nodes.size());
+  for (int s = std::min<int>(target.step, static_cast<int>(state.order.size()) - 1); s >= 0;
+       --s) {
+    // Nodes a mechanism added are not in the base order: the base node before them.
+    if (state.order[s] < base_nodes) return state.order[s];
+  }
+  return -1;
 }
 
 absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {

@@ -106,6 +106,9 @@ class Planner {
  private:
   bool HasAllocatorModel() const;
   absl::Status EvaluateAs(Choice choice, Evaluated* out);
+  // The base node at (or, for an added node, last before) the step where `state`
+  // goes wrong (TargetOf), or -1.
+  int BaseNodeAtTarget(const Evaluated& state) const;
   absl::Status Apply(const Choice& choice);
   void Unapply();
   absl::Status Candidates(const Evaluated& state, const std::vector<bool>& proposing,

@@ -78,6 +78,10 @@ struct Choice {
   // planner pins the executor to the resulting order with control edges
   // (plan/pin_order.h), so that it runs exactly the order simulated.
   bool pinned = false;
+  // With `pinned`: a base node; backward readers that run before it keep reading
+  // the originals, later ones read the clones (clone_readers_from of
+  // BuildRecomputeRewrite). -1: every backward reader reads the clones.
+  int clone_readers_from = -1;
 };
 
 // A forward buffer live at the simulated peak only because readers in the
@@ -126,8 +130,9 @@ class Mechanism {
   virtual void Undo(TensorTable* work) = 0;
   // Apply for an order the planner will pin (Choice::pinned): what the mechanism
   // adds goes where it is needed, since the executor will run it exactly there.
+  // readers_from: Choice::clone_readers_from.
   virtual absl::Status ApplyPinned(TensorTable* work, const std::vector<int>& order,
-                                   const std::vector<int>& items) {
+                                   const std::vector<int>& items, int readers_from) {
     return Apply(work, order, items, /*variant=*/false);
   }
   // After Apply: the order of `work` for the next mechanism, the items really

@@ -218,7 +218,8 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
                                    : best.choice.variant ? ClonePlacement::kEarlier
                                                          : ClonePlacement::kAtReaderInput;
   status = BuildRecomputeRewrite(table, order, flow, best.choice.items[kRecompute],
-                                 &rewrite->recompute, placement);
+                                 &rewrite->recompute, placement,
+                                 best.choice.pinned ? best.choice.clone_readers_from : -1);
   if (!status.ok()) return status;
   status = BuildSwapRewrite(std::move(rewrite->recompute.table), rewrite->recompute.order, flow,
                             best.choice.items[kSwap], swap.options(), &rewrite->swap);

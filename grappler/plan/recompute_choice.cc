@@ -69,9 +69,9 @@ absl::Status RecomputeChoice::Apply(TensorTable* work, const std::vector<int>& o
 }
 
 absl::Status RecomputeChoice::ApplyPinned(TensorTable* work, const std::vector<int>& order,
-                                          const std::vector<int>& items) {
+                                          const std::vector<int>& items, int readers_from) {
   return RecomputeInPlace(work, order, ctx_.flow, items, &applied_, &edit_,
-                          ClonePlacement::kBeforeReader);
+                          ClonePlacement::kBeforeReader, readers_from);
 }
 
 void RecomputeChoice::BeginProposals(const std::vector<int>& items) {

@@ -37,9 +37,10 @@ class RecomputeChoice : public Mechanism {
   absl::Status Apply(TensorTable* work, const std::vector<int>& order,
                      const std::vector<int>& items, bool variant) override;
   void Undo(TensorTable* work) override { edit_.Undo(work); }
-  // Each clone triggered right before its earliest reader (kBeforeReader).
+  // Each clone triggered right before its earliest reader (kBeforeReader), serving
+  // the backward readers from `readers_from` on.
   absl::Status ApplyPinned(TensorTable* work, const std::vector<int>& order,
-                           const std::vector<int>& items) override;
+                           const std::vector<int>& items, int readers_from) override;
   const std::vector<int>& order() const override { return applied_.order; }
   const std::vector<int>& applied() const override { return applied_.cloned; }
   double AddSeconds(double seconds) const override { return seconds + applied_.added_seconds; }

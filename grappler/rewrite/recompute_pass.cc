@@ -83,15 +83,16 @@ void TableEdit::Undo(TensorTable* table) const {
 absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
                                    const ControlFlowInfo& flow,
                                    const std::vector<int>& nodes, RecomputeRewrite* rewrite,
-                                   ClonePlacement placement) {
+                                   ClonePlacement placement, int clone_readers_from) {
   rewrite->table = base;
-  return RecomputeInPlace(&rewrite->table, order, flow, nodes, rewrite, nullptr, placement);
+  return RecomputeInPlace(&rewrite->table, order, flow, nodes, rewrite, nullptr, placement,
+                          clone_readers_from);
 }
 
 absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& nodes,
                               RecomputeRewrite* rewrite, TableEdit* edit,
-                              ClonePlacement placement) {
+                              ClonePlacement placement, int clone_readers_from) {
   TensorTable& table = *table_ptr;
   const int n = static_cast<int>(table.nodes.size());
   if (static_cast<int>(order.size()) != n) {
@@ -121,9 +122,14 @@ absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& or
   // trigger, the latest gradient-side input of that consumer.
   std::vector<signed char> late(n, -1);
   const bool pinned = placement == ClonePlacement::kBeforeReader;
+  if (clone_readers_from >= n) {
+    return absl::InvalidArgumentError("recompute: bad clone_readers_from node");
+  }
+  const int readers_from =
+      pinned && clone_readers_from >= 0 ? position[clone_readers_from] : -1;
   auto reads_clones = [&](int c) {
     if (late[c] < 0) {
-      late[c] = (pinned ? ReadsClonesWhenPinned(table, flow, c)
+      late[c] = (pinned ? ReadsClonesWhenPinned(table, flow, c) && position[c] >= readers_from
                         : ReadsRecomputedValues(table, flow, c))
                     ? 1
                     : 0;

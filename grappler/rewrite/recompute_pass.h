@@ -124,17 +124,27 @@ enum class ClonePlacement {
 // Builds the rewrite for recomputing `nodes` (base node indices; forward, stateless,
 // outside control flow: the planner's job). Nodes whose clone nobody would read
 // are skipped.
+//
+// clone_readers_from (a base node, or -1): with kBeforeReader, backward readers that
+// `order` runs before this node keep reading the original, and only the later ones
+// read the clone. Where the peak falls between a tensor's backward readers (a
+// weight gradient early in the backward pass, the activation gradient late), the
+// original is then freed before the peak and the clone made after it, as Checkmate
+// recomputes a value only in the stages after the peak; a clone serving every
+// backward reader would be live across the peak instead.
 absl::Status BuildRecomputeRewrite(const TensorTable& base, const std::vector<int>& order,
                                    const ControlFlowInfo& flow,
                                    const std::vector<int>& nodes, RecomputeRewrite* rewrite,
-                                   ClonePlacement placement = ClonePlacement::kAtReaderInput);
+                                   ClonePlacement placement = ClonePlacement::kAtReaderInput,
+                                   int clone_readers_from = -1);
 
 // The same, applied to `table` in place (rewrite->table stays empty); `edit`
 // records how to take it back. The planner simulates candidate plans this way.
 absl::Status RecomputeInPlace(TensorTable* table, const std::vector<int>& order,
                               const ControlFlowInfo& flow, const std::vector<int>& nodes,
                               RecomputeRewrite* rewrite, TableEdit* edit,
-                              ClonePlacement placement = ClonePlacement::kAtReaderInput);
+                              ClonePlacement placement = ClonePlacement::kAtReaderInput,
+                              int clone_readers_from = -1);
 
 // Applies `rewrite` to `graph`, the GraphDef the base table was built from.
 absl::Status ApplyRecomputeRewrite(const RecomputeRewrite& rewrite,
