@@ -29,6 +29,9 @@ after the first step.
 Usage: python benchmarks/fits_means_trains.py [--models NAME ...] [--cap-mb N]
            [--growth 1.15] [--tolerance 0.03] [--sizes 8] [--steps 3] [--retry]
            [--json]
+       python benchmarks/fits_means_trains.py --merge LOG [LOG ...] [--json]
+--merge combines runs over disjoint sets of models (the logs of `--json` runs, e.g.
+the same command run on two machines or in two processes) into one summary.
 With --json, the last line of stdout is one JSON object:
 {"models", "claims", "fits_but_oom", "trained_after_retry", "first_attempt_oom",
  "models_without_oom", "max_abs_error",
@@ -250,6 +253,56 @@ def sweep(model, cap_mb, lo, growth, max_sizes, steps, retry, log, tolerance=0.0
     return out
 
 
+def summarize(per_model, retry):
+    """The JSON summary of the sweeps `per_model` ({model: sweep()})."""
+    claims = [dict(c, model=m) for m, r in per_model.items() for c in r.get("claims", [])]
+    failures = [{k: c.get(k) for k in ("model", "batch", "predicted", "error")}
+                for c in claims if c["status"] == "oom"]
+    errors = [abs(c["rel_error"]) for c in claims if "rel_error" in c]
+    # A claim's first attempt runs the plan as it runs without the wrapper: with
+    # --retry, a claim that needed a re-plan (or failed anyway) ran out of memory there.
+    first_oom = {m: sum(1 for c in r.get("claims", []) if c["status"] == "oom" or c["retried"])
+                 for m, r in per_model.items()}
+    return {
+        "models": len([m for m, r in per_model.items() if r.get("claims")]),
+        "models_swept": len(per_model),
+        "claims": len(claims),
+        "fits_but_oom": len(failures),
+        "trained_after_retry": sum(1 for c in claims if c["status"] == "ok" and c["retried"]),
+        "first_attempt_oom": sum(first_oom.values()),
+        "models_without_oom": sorted(m for m, r in per_model.items()
+                                     if r.get("claims") and first_oom[m] == 0),
+        "max_abs_error": max(errors) if errors else None,
+        "failures": failures,
+        "retry": retry,
+        "per_model": per_model,
+    }
+
+
+def report(summary, log):
+    log(f"{summary['claims']} claims on {summary['models']} models: "
+        f"{summary['fits_but_oom']} ran out of memory, {summary['trained_after_retry']} "
+        f"trained after a retry; max |error| {summary['max_abs_error']}")
+    log(f"first attempts out of memory: {summary['first_attempt_oom']}; models with claims "
+        f"and none: {len(summary['models_without_oom'])} "
+        f"({', '.join(summary['models_without_oom'])})")
+    for f in summary["failures"]:
+        log(f"  fits but OOM: {f['model']} batch {f['batch']} (predicted "
+            f"{(f['predicted'] or 0) / 2**20:.1f} MiB): {f['error']}")
+
+
+def _last_json(text):
+    """The JSON object on the last line of `text` that holds one, or None."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
 def main():
     import models
 
@@ -265,6 +318,9 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="training steps per trial")
     parser.add_argument("--retry", action="store_true",
                         help="run the steps through tfmemopt's re-plan-on-OOM wrapper")
+    parser.add_argument("--merge", nargs="+", metavar="LOG",
+                        help="do not run: combine the runs whose --json output is in these "
+                             "logs (each model in one of them) into one summary")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.growth <= 1.0:
@@ -273,7 +329,25 @@ def main():
     def log(text):
         print(text, flush=True)
 
-    per_model, failures = {}, []
+    if args.merge:
+        runs = [_last_json(open(path).read()) for path in args.merge]
+        bad = [path for path, run in zip(args.merge, runs) if run is None]
+        if bad:
+            parser.error(f"--merge: no JSON summary as the last line of {', '.join(bad)}")
+        swept = [m for run in runs for m in run["per_model"]]
+        twice = sorted({m for m in swept if swept.count(m) > 1})
+        if twice:
+            parser.error(f"--merge: models swept in more than one run: {', '.join(twice)}")
+        if len({r.get("retry", False) for r in runs}) > 1:
+            parser.error("--merge: runs with and without --retry")
+        per_model = {m: r for run in runs for m, r in run["per_model"].items()}
+        summary = summarize(per_model, runs[0].get("retry", False))
+        report(summary, log)
+        if args.json:
+            print(json.dumps(summary))
+        return 1 if summary["failures"] else 0
+
+    per_model = {}
     for name in args.models:
         cap_mb, lo = SETTINGS.get(name, DEFAULT)
         if args.cap_mb:
@@ -284,40 +358,11 @@ def main():
         except TrialError as err:
             per_model[name] = {"cap_mb": cap_mb, "stopped": str(err)[:500], "claims": []}
             log(f"{name}: stopped: {str(err)[:300]}")
-    claims = [dict(c, model=m) for m, r in per_model.items() for c in r.get("claims", [])]
-    for c in claims:
-        if c["status"] == "oom":
-            failures.append({k: c.get(k) for k in ("model", "batch", "predicted", "error")})
-    errors = [abs(c["rel_error"]) for c in claims if "rel_error" in c]
-    # A claim's first attempt runs the plan as it runs without the wrapper: with
-    # --retry, a claim that needed a re-plan (or failed anyway) ran out of memory there.
-    first_oom = {m: sum(1 for c in r.get("claims", []) if c["status"] == "oom" or c["retried"])
-                 for m, r in per_model.items()}
-    summary = {
-        "models": len([m for m, r in per_model.items() if r.get("claims")]),
-        "models_swept": len(per_model),
-        "claims": len(claims),
-        "fits_but_oom": len(failures),
-        "trained_after_retry": sum(1 for c in claims if c["status"] == "ok" and c["retried"]),
-        "first_attempt_oom": sum(first_oom.values()),
-        "models_without_oom": sorted(m for m, r in per_model.items()
-                                     if r.get("claims") and first_oom[m] == 0),
-        "max_abs_error": max(errors) if errors else None,
-        "failures": failures,
-        "retry": args.retry,
-        "per_model": per_model,
-    }
-    log(f"{summary['claims']} claims on {summary['models']} models: "
-        f"{summary['fits_but_oom']} ran out of memory, {summary['trained_after_retry']} "
-        f"trained after a retry; max |error| {summary['max_abs_error']}")
-    log(f"first attempts out of memory: {summary['first_attempt_oom']}; models with claims "
-        f"and none: {len(summary['models_without_oom'])} ({', '.join(summary['models_without_oom'])})")
-    for f in failures:
-        log(f"  fits but OOM: {f['model']} batch {f['batch']} (predicted "
-            f"{(f['predicted'] or 0) / 2**20:.1f} MiB): {f['error']}")
+    summary = summarize(per_model, args.retry)
+    report(summary, log)
     if args.json:
         print(json.dumps(summary))
-    return 1 if failures else 0
+    return 1 if summary["failures"] else 0
 
 
 if __name__ == "__main__":
