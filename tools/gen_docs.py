@@ -282,17 +282,30 @@ def fits_means_trains(record):
     for model, m in r.get("per_model", {}).items():
         claims = m.get("claims", [])
         failed = [f["batch"] for f in r.get("failures", []) if f["model"] == model]
-        rows.append([model, num(m.get("cap_mb")), num(m.get("unplanned_limit")),
-                     ", ".join(str(c.get("batch", c) if isinstance(c, dict) else c)
-                               for c in claims) or "none",
-                     ", ".join(map(str, failed)) or "—"])
-    lines = table(["model", "cap (MiB)", "largest batch without tfmemopt",
-                   "batches the report said fit", "of which ran out of memory"], rows)
+        row = [model, num(m.get("cap_mb")), num(m.get("unplanned_limit")),
+               ", ".join(str(c.get("batch", c) if isinstance(c, dict) else c)
+                         for c in claims) or "none",
+               ", ".join(map(str, failed)) or "—"]
+        if r.get("retry"):
+            retried = [c["batch"] for c in claims
+                       if isinstance(c, dict) and c.get("retried") and c.get("status") == "ok"]
+            row.append(", ".join(map(str, retried)) or "—")
+        rows.append(row)
+    header = ["model", "cap (MiB)", "largest batch without tfmemopt",
+              "batches the report said fit", "of which ran out of memory"]
+    if r.get("retry"):
+        header.append("trained after a re-plan")
+    lines = table(header, rows)
     lines += ["", f"{num(r.get('claims'))} claims on {num(r.get('models_swept'))} models, "
                   f"{num(r.get('fits_but_oom'))} ran out of memory; retries "
                   f"{'on' if r.get('retry') else 'off'} (trained after a re-plan: "
                   f"{num(r.get('trained_after_retry'))}); largest |error| of a claim that "
                   f"trained: {pct(r.get('max_abs_error'), False)}."]
+    if r.get("retry") and "first_attempt_oom" in r:
+        clean = r.get("models_without_oom", [])
+        lines += ["", f"First attempts that ran out of memory (what the same run without "
+                      f"`--retry` counts): {num(r['first_attempt_oom'])}; models with claims and "
+                      f"none: {len(clean)} ({', '.join(clean) or 'none'})."]
     return lines
 
 
