@@ -175,9 +175,9 @@ def unet_split(record):
 
 def stress(record):
     r = record["result"]
-    keys = ["cases", "rewritten", "mismatches", "invalid_graphs", "crashes", "violations",
-            "fallbacks", "seconds"]
-    return table(keys, [[num(r.get(k)) for k in keys]])
+    keys = ["cases", "rewritten", "split", "mismatches", "invalid_graphs", "crashes",
+            "violations", "fallbacks", "errors", "seconds"]
+    return table(keys, [[num(r.get(k, 0 if k == "errors" else None)) for k in keys]])
 
 
 def optimality(record):
