@@ -264,6 +264,8 @@ int64_t EinsumScratch(const std::string& raw_equation,
   return std::max<int64_t>(std::max(peak, at_end) - output_bytes, 0);
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------
 // MaxPool and MaxPoolGrad, measured with benchmarks/trace_step_memory.py (the
 // BFC allocator's own trace of a training step):
@@ -285,14 +287,16 @@ bool UsesOneDnnWorkspace(const TensorTable& table, const NodeInfo& grad) {
          (pooled.dtype == tensorflow::DT_FLOAT || pooled.dtype == tensorflow::DT_BFLOAT16);
 }
 
-}  // namespace
+int64_t MaxPoolGradScratchBytes(const TensorTable& table, const NodeInfo& grad) {
+  return grad.inputs.size() >= 3 ? 3 * table.tensors[grad.inputs[2]].bytes : 0;
+}
 
 void EstimateKernelScratch(const GraphProperties& properties, TensorTable* table) {
   for (NodeInfo& node : table->nodes) {
     const std::string& op = node.def->op();
     if ((op == "MaxPoolGrad" || op == "MaxPoolGradV2") && node.inputs.size() >= 3 &&
         !UsesOneDnnWorkspace(*table, node)) {
-      node.temp_bytes = 3 * table->tensors[node.inputs[2]].bytes;
+      node.temp_bytes = MaxPoolGradScratchBytes(*table, node);
     } else if (op == "Einsum" && node.def->attr().count("equation") && !node.outputs.empty()) {
       std::vector<std::vector<int64_t>> dims(node.inputs.size());
       bool known = true;

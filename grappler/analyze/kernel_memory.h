@@ -30,6 +30,16 @@ void EstimateKernelScratch(const tensorflow::grappler::GraphProperties& properti
 // (NodeInfo::extra_buffers), once the table's buffers exist.
 void AddKernelBuffers(TensorTable* table);
 
+// Whether MaxPoolGrad `grad` reads oneDNN's workspace: its pooled input (input 1)
+// comes straight from a float MaxPool on a CPU with oneDNN. A rewrite that makes it
+// read a copy instead (a swap-in) breaks the link TF's oneDNN layout pass follows,
+// and the kernel then takes Eigen's path (MaxPoolGradScratchBytes).
+bool UsesOneDnnWorkspace(const TensorTable& table, const NodeInfo& grad);
+
+// The scratch of Eigen's MaxPoolGrad: a copy of the pooled output and its int64
+// argmax, 3x its gradient input.
+int64_t MaxPoolGradScratchBytes(const TensorTable& table, const NodeInfo& grad);
+
 }  // namespace tfmemopt
 
 #endif  // TFMEMOPT_GRAPPLER_ANALYZE_KERNEL_MEMORY_H_

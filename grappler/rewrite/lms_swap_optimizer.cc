@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grappler/analyze/kernel_memory.h"
 #include "grappler/ops/swap_ops.h"
 #include "grappler/rewrite/recompute_pass.h"
 #include "tensorflow/core/framework/attr_value.pb.h"
@@ -16,6 +17,24 @@ namespace tfmemopt {
 namespace {
 
 using tensorflow::NodeDef;
+
+// MaxPoolGrad `grad` read oneDNN's workspace through `pooled` (its MaxPool's
+// output) and now reads a swap-in of it: TF's oneDNN layout pass rewrites a
+// MaxPoolGrad only when its input 1 comes from the oneDNN MaxPool
+// (MaxpoolGradRewrite in mkl_layout_pass.cc), so the gradient takes Eigen's path
+// with its scratch (analyze/kernel_memory.h) and reads no workspace. The table follows, as a
+// fresh analysis of the rewritten graph would: the workspace buffer is emptied and
+// the gradient gets Eigen's scratch.
+void DropOneDnnWorkspace(TensorTable* table, int grad, int pooled, TableEdit* edit) {
+  const int pool = table->tensors[pooled].node;
+  for (int b : table->nodes[pool].extra_buffers) {
+    if (table->buffers[b].released_by != grad) continue;
+    if (edit != nullptr) edit->SaveBuffer(*table, b);
+    table->buffers[b].bytes = 0;
+  }
+  if (edit != nullptr) edit->SaveTempBytes(*table, grad);
+  table->nodes[grad].temp_bytes = MaxPoolGradScratchBytes(*table, table->nodes[grad]);
+}
 
 std::string TensorRef(const std::string& node, int port) {
   return port == 0 ? node : absl::StrCat(node, ":", port);
@@ -249,6 +268,7 @@ absl::Status SwapInPlace(TensorTable* table_ptr, const std::vector<int>& order,
       rewrite->copy_seconds += copy;
 
       for (int reader : group) {
+        const bool read_workspace = UsesOneDnnWorkspace(table, table.nodes[reader]);
         std::vector<int>& inputs = table.nodes[reader].inputs;
         for (size_t slot = 0; slot < inputs.size(); ++slot) {
           if (inputs[slot] != t) continue;
@@ -262,6 +282,9 @@ absl::Status SwapInPlace(TensorTable* table_ptr, const std::vector<int>& order,
           table.tensors[in_tensor].consumers.push_back(reader);
           rewrite->rewires.push_back({reader, static_cast<int>(slot), name,
                                       table.nodes[reader].def->name()});
+        }
+        if (read_workspace && !UsesOneDnnWorkspace(table, table.nodes[reader])) {
+          DropOneDnnWorkspace(&table, reader, t, edit);
         }
       }
     }

@@ -60,6 +60,7 @@ void TableEdit::Begin(const TensorTable& table) {
   inputs.clear();
   control_inputs.clear();
   buffer_fields.clear();
+  temp_bytes.clear();
 }
 
 void TableEdit::Undo(TensorTable* table) const {
@@ -74,6 +75,9 @@ void TableEdit::Undo(TensorTable* table) const {
   }
   for (auto it = buffer_fields.rbegin(); it != buffer_fields.rend(); ++it) {
     table->buffers[it->first] = it->second;
+  }
+  for (auto it = temp_bytes.rbegin(); it != temp_bytes.rend(); ++it) {
+    table->nodes[it->first].temp_bytes = it->second;
   }
   table->nodes.resize(nodes);
   table->tensors.resize(tensors);

@@ -64,6 +64,7 @@ struct TableEdit {
   std::vector<std::tuple<int, int, int>> inputs;            // node, slot, old tensor
   std::vector<std::pair<int, size_t>> control_inputs;       // node, old count
   std::vector<std::pair<int, BufferInfo>> buffer_fields;    // buffer, old fields
+  std::vector<std::pair<int, int64_t>> temp_bytes;          // node, old temp_bytes
 
   void Begin(const TensorTable& table);
   void SaveConsumers(const TensorTable& table, int tensor) {
@@ -79,6 +80,10 @@ struct TableEdit {
   // Before a buffer of the table's is changed in place.
   void SaveBuffer(const TensorTable& table, int buffer) {
     buffer_fields.emplace_back(buffer, table.buffers[buffer]);
+  }
+  // Before a node's temp_bytes is changed.
+  void SaveTempBytes(const TensorTable& table, int node) {
+    temp_bytes.emplace_back(node, table.nodes[node].temp_bytes);
   }
   // Restores `table` to what it was at Begin().
   void Undo(TensorTable* table) const;
