@@ -24,14 +24,16 @@ SETTING_HELP = {
 
 
 def benchmark_settings(description, defaults, quick, helps, extra=None):
-    """Parses a search benchmark's command line: one int option per key of `defaults`
-    (help from `helps`, else SETTING_HELP), --json and --quick; `extra(parser)` adds
-    the script's own options. Returns (args, settings): QUICK with --quick, else
-    DEFAULTS, updated by the options given."""
+    """Parses a search benchmark's command line: one int option per int setting of
+    `defaults` (help from `helps`, else SETTING_HELP), --json and --quick;
+    `extra(parser)` adds the script's own options (its other settings among them).
+    Returns (args, settings): QUICK with --quick, else DEFAULTS, updated by the options
+    given."""
     parser = argparse.ArgumentParser(description=description)
-    for key in defaults:
-        parser.add_argument("--" + key.replace("_", "-"), type=int,
-                            help=helps.get(key, SETTING_HELP.get(key)))
+    for key, value in defaults.items():
+        if isinstance(value, int):
+            parser.add_argument("--" + key.replace("_", "-"), type=int,
+                                help=helps.get(key, SETTING_HELP.get(key)))
     if extra is not None:
         extra(parser)
     parser.add_argument("--json", action="store_true",

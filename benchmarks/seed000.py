@@ -29,7 +29,6 @@ Usage: python benchmarks/seed000.py [--cap-mb 1024] [--lo 256] [--hi 16384]
  "overhead_at_baseline_max": float, ...}.
 """
 
-import argparse
 import json
 import os
 import re
@@ -133,21 +132,12 @@ def floor_batch(cap_mb, batches=(256, 512), max_slices=64):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cap-mb", type=int, help="CPU allocator cap in MiB")
-    parser.add_argument("--lo", type=int, help="smallest batch searched")
-    parser.add_argument("--hi", type=int, help="largest batch searched")
-    parser.add_argument("--steps", type=int, help="training steps per search trial")
-    parser.add_argument("--rounds", type=int, help="timed steps per configuration")
-    parser.add_argument("--options", nargs="+", choices=OPTIONS,
-                        help=f"options to search (default all; {BASELINE} is always included)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the results as one JSON line, last")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a small configuration for tests: {QUICK}")
-    args = parser.parse_args()
-    settings = dict(QUICK if args.quick else DEFAULTS)
-    settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
+    args, settings = models.benchmark_settings(
+        __doc__.splitlines()[0], DEFAULTS, QUICK,
+        {"lo": "smallest batch searched", "hi": "largest batch searched"},
+        extra=lambda parser: parser.add_argument(
+            "--options", nargs="+", choices=OPTIONS,
+            help=f"options to search (default all; {BASELINE} is always included)"))
     options = [o for o in OPTIONS if o in settings["options"] or o == BASELINE]
     settings["options"] = options
     cap_mb = settings["cap_mb"]
