@@ -37,6 +37,27 @@ std::string JsonList(const std::vector<T>& values) {
   return absl::StrCat("[", absl::StrJoin(values, ","), "]");
 }
 
+// A list of (from, to) node-name pairs as a JSON array of pairs.
+std::string EdgesJson(const std::vector<std::pair<std::string, std::string>>& edges) {
+  std::string out = "[";
+  for (size_t i = 0; i < edges.size(); ++i) {
+    absl::StrAppend(&out, i ? "," : "", "[", Quote(edges[i].first), ",", Quote(edges[i].second),
+                    "]");
+  }
+  return out + "]";
+}
+
+// Bytes per device as a JSON object.
+std::string BytesByDeviceJson(const std::map<std::string, int64_t>& bytes) {
+  std::string out = "{";
+  bool first = true;
+  for (const auto& [device, value] : bytes) {
+    absl::StrAppend(&out, first ? "" : ",", Quote(device), ":", value);
+    first = false;
+  }
+  return out + "}";
+}
+
 std::string QuotedList(const std::vector<std::string>& values) {
   std::string out = "[";
   for (size_t i = 0; i < values.size(); ++i) {
@@ -183,21 +204,11 @@ std::string MemoryReport::ToJson() const {
       << ",\"host_peak_bytes\":" << swap.host_peak_bytes
       << ",\"copy_seconds\":" << absl::StrFormat("%.9g", swap.copy_seconds)
       << "},\"schedule\":{\"planned\":" << (schedule.planned ? "true" : "false")
-      << ",\"num_edges\":" << schedule.edges.size() << ",\"edges\":[";
-  for (size_t i = 0; i < schedule.edges.size(); ++i) {
-    out << (i ? "," : "") << "[" << Quote(schedule.edges[i].first) << ","
-        << Quote(schedule.edges[i].second) << "]";
-  }
-  out << "],\"peak_before_bytes\":{";
-  for (const auto* peaks : {&schedule.peak_before_bytes, &schedule.peak_after_bytes}) {
-    if (peaks == &schedule.peak_after_bytes) out << "},\"peak_after_bytes\":{";
-    bool first_device = true;
-    for (const auto& [device, bytes] : *peaks) {
-      out << (first_device ? "" : ",") << Quote(device) << ":" << bytes;
-      first_device = false;
-    }
-  }
-  out << "},\"simulations\":" << schedule.simulations << "},\"split\":" << SplitJson(split)
+      << ",\"num_edges\":" << schedule.edges.size()
+      << ",\"edges\":" << EdgesJson(schedule.edges)
+      << ",\"peak_before_bytes\":" << BytesByDeviceJson(schedule.peak_before_bytes)
+      << ",\"peak_after_bytes\":" << BytesByDeviceJson(schedule.peak_after_bytes)
+      << ",\"simulations\":" << schedule.simulations << "},\"split\":" << SplitJson(split)
       << ",\"plan_choice\":{\"chosen\":" << Quote(plan_choice.chosen) << ",\"candidates\":[";
   for (size_t i = 0; i < plan_choice.candidates.size(); ++i) {
     const PlanChoiceReport::Candidate& c = plan_choice.candidates[i];
@@ -206,38 +217,17 @@ std::string MemoryReport::ToJson() const {
         << ",\"added_seconds\":" << absl::StrFormat("%.9g", c.added_seconds)
         << ",\"recomputed\":" << c.recomputed << ",\"swapped\":" << c.swapped
         << ",\"simulations\":" << c.simulations
-        << ",\"peak_bytes\":{";
-    bool first_peak = true;
-    for (const auto& [device, bytes] : c.peak_bytes) {
-      out << (first_peak ? "" : ",") << Quote(device) << ":" << bytes;
-      first_peak = false;
-    }
-    out << "}}";
+        << ",\"peak_bytes\":" << BytesByDeviceJson(c.peak_bytes) << "}";
   }
-  out << "],\"order_edges\":[";
-  for (size_t i = 0; i < plan_choice.order_edges.size(); ++i) {
-    out << (i ? "," : "") << "[" << Quote(plan_choice.order_edges[i].first) << ","
-        << Quote(plan_choice.order_edges[i].second) << "]";
-  }
-  out << "],\"allocator_windows\":" << plan_choice.allocator_windows
+  out << "],\"order_edges\":" << EdgesJson(plan_choice.order_edges)
+      << ",\"allocator_windows\":" << plan_choice.allocator_windows
       << ",\"freed_for_allocator\":" << QuotedList(plan_choice.freed_for_allocator)
       << "},\"order_guard\":{\"checked\":" << (order_guard.checked ? "true" : "false")
-      << ",\"complete\":" << (order_guard.complete ? "true" : "false") << ",\"edges\":[";
-  for (size_t i = 0; i < order_guard.edges.size(); ++i) {
-    out << (i ? "," : "") << "[" << Quote(order_guard.edges[i].first) << ","
-        << Quote(order_guard.edges[i].second) << "]";
-  }
-  out << "],\"worst_peak_before_bytes\":{";
-  for (const auto* peaks :
-       {&order_guard.worst_peak_before_bytes, &order_guard.worst_peak_after_bytes}) {
-    if (peaks == &order_guard.worst_peak_after_bytes) out << "},\"worst_peak_after_bytes\":{";
-    bool first_device = true;
-    for (const auto& [device, bytes] : *peaks) {
-      out << (first_device ? "" : ",") << Quote(device) << ":" << bytes;
-      first_device = false;
-    }
-  }
-  out << "}},\"loops\":[";
+      << ",\"complete\":" << (order_guard.complete ? "true" : "false")
+      << ",\"edges\":" << EdgesJson(order_guard.edges)
+      << ",\"worst_peak_before_bytes\":" << BytesByDeviceJson(order_guard.worst_peak_before_bytes)
+      << ",\"worst_peak_after_bytes\":" << BytesByDeviceJson(order_guard.worst_peak_after_bytes)
+      << "},\"loops\":[";
   for (size_t i = 0; i < loops.size(); ++i) {
     const LoopReport& loop = loops[i];
     out << (i ? "," : "") << "{\"frame\":" << Quote(loop.frame)
