@@ -62,7 +62,8 @@ bool Lowers(const std::map<std::string, int64_t>& after,
 // ambiguity; the edges follow `target`, so none closes a cycle. (PinOrder then fixes
 // what this leaves, one emulation per edge.)
 void WaitForPredecessors(TensorTable* table, const ControlFlowInfo& flow,
-                         const std::vector<int>& target, PinnedOrder* pinned) {
+                         const std::vector<int>& target, TableEdit* edit,
+                         PinnedOrder* pinned) {
   const int num_nodes = static_cast<int>(table->nodes.size());
   std::vector<int> position(num_nodes, -1);
   for (int i = 0; i < static_cast<int>(target.size()); ++i) position[target[i]] = i;
@@ -86,6 +87,7 @@ void WaitForPredecessors(TensorTable* table, const ControlFlowInfo& flow,
     if (before == last || !MayWait(*table, flow, s) || !MayBeWaitedFor(*table, flow, before)) {
       continue;
     }
+    edit->SaveControlInputs(*table, s);
     table->nodes[s].control_inputs.push_back(before);
     pinned->edges.push_back({before, s});
     claimed[before] = s;
@@ -107,16 +109,15 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
     return absl::OkStatus();
   }
   // Pinning may stop incomplete; its edges are kept only if they lower some device's
-  // worst peak, so the saved control inputs let the guard take them back.
-  std::vector<std::vector<int>> control_inputs_before;
-  control_inputs_before.reserve(table->nodes.size());
-  for (const NodeInfo& node : table->nodes) control_inputs_before.push_back(node.control_inputs);
+  // worst peak, so `edit` records them to take back.
+  TableEdit edit;
+  edit.Begin(*table);
   PinnedOrder ready_sets, pinned;
-  WaitForPredecessors(table, flow, order, &ready_sets);
+  WaitForPredecessors(table, flow, order, &edit, &ready_sets);
   std::vector<int> pinned_order;
   const std::vector<InlineChoice> choices(std::begin(kChoices), std::end(kChoices));
-  status = PinOrder(table, flow, order, options.max_edges, /*edit=*/nullptr, &pinned,
-                    &pinned_order, choices);
+  status = PinOrder(table, flow, order, options.max_edges, &edit, &pinned, &pinned_order,
+                    choices);
   if (!status.ok()) return status;
   pinned.edges.insert(pinned.edges.begin(), ready_sets.edges.begin(), ready_sets.edges.end());
   result->complete = pinned.complete;
@@ -124,9 +125,7 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
   if (!status.ok()) return status;
   if (!pinned.complete &&
       !Lowers(result->worst_peak_after_bytes, result->worst_peak_before_bytes)) {
-    for (size_t n = 0; n < table->nodes.size(); ++n) {
-      table->nodes[n].control_inputs = std::move(control_inputs_before[n]);
-    }
+    edit.Undo(table);
     result->worst_peak_after_bytes = result->worst_peak_before_bytes;
     return absl::OkStatus();
   }
