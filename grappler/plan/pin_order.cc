@@ -9,7 +9,6 @@
 namespace tfmemopt {
 namespace {
 
-
 // Whether `ancestor` is `node` or runs before it by some path of data or control
 // edges (back edges of loops included: they only add paths). An edge from `node`
 // to `ancestor` would then close a cycle.

@@ -22,9 +22,9 @@ using tensorflow::NodeDef;
 // output) and now reads a swap-in of it: TF's oneDNN layout pass rewrites a
 // MaxPoolGrad only when its input 1 comes from the oneDNN MaxPool
 // (MaxpoolGradRewrite in mkl_layout_pass.cc), so the gradient takes Eigen's path
-// with its scratch (analyze/kernel_memory.h) and reads no workspace. The table follows, as a
-// fresh analysis of the rewritten graph would: the workspace buffer is emptied and
-// the gradient gets Eigen's scratch.
+// with its scratch (analyze/kernel_memory.h) and reads no workspace. The table
+// follows, as a fresh analysis of the rewritten graph would: the workspace buffer
+// is emptied and the gradient gets Eigen's scratch.
 void DropOneDnnWorkspace(TensorTable* table, int grad, int pooled, TableEdit* edit) {
   const int pool = table->tensors[pooled].node;
   for (int b : table->nodes[pool].extra_buffers) {

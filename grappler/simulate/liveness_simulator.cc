@@ -35,7 +35,6 @@ bool AlwaysInexpensive(const std::string& op) {
 // executor's cost model marks it inexpensive after the first step.
 constexpr int64_t kExpensiveKernelBytes = 64 << 10;
 
-
 }  // namespace
 
 bool IsExpensiveKernel(const TensorTable& table, int n) {
