@@ -49,6 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from tfmemopt import Report  # noqa: E402
+from results import last_json  # noqa: E402
 from tfmemopt.maxbatch import TrialError, run_trial  # noqa: E402
 
 # Per model: (cap in MiB, a batch that trains under it). The caps are small, so that
@@ -291,18 +292,6 @@ def report(summary, log):
             f"{(f['predicted'] or 0) / 2**20:.1f} MiB): {f['error']}")
 
 
-def _last_json(text):
-    """The JSON object on the last line of `text` that holds one, or None."""
-    for line in reversed(text.strip().splitlines()):
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            return value
-    return None
-
-
 def main():
     import models
 
@@ -330,7 +319,7 @@ def main():
         print(text, flush=True)
 
     if args.merge:
-        runs = [_last_json(open(path).read()) for path in args.merge]
+        runs = [last_json(open(path).read()) for path in args.merge]
         bad = [path for path, run in zip(args.merge, runs) if run is None]
         if bad:
             parser.error(f"--merge: no JSON summary as the last line of {', '.join(bad)}")

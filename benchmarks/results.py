@@ -82,7 +82,8 @@ def load(name):
         return json.load(f)
 
 
-def _last_json(text):
+def last_json(text):
+    """The JSON object on the last line of `text` that holds one, or None."""
     for line in reversed(text.splitlines()):
         line = line.strip()
         if line.startswith("{"):
@@ -125,7 +126,7 @@ def main():
             parser.error(f"no benchmark {script}")
         proc = subprocess.run([sys.executable, script, *argv], stdout=subprocess.PIPE, text=True)
         sys.stdout.write(proc.stdout)
-        result = _last_json(proc.stdout)
+        result = last_json(proc.stdout)
         if proc.returncode != 0 or result is None:
             print(f"results: {args.name} exited {proc.returncode} without a JSON result; "
                   "nothing recorded", file=sys.stderr)
@@ -133,7 +134,7 @@ def main():
         print("results: wrote", save(args.name, result, argv, path=_path(args)))
         return 0
     with open(args.log) as f:
-        result = _last_json(f.read())
+        result = last_json(f.read())
     if result is None:
         print(f"results: {args.log} has no JSON line", file=sys.stderr)
         return 1

@@ -176,11 +176,14 @@ def train(step, x, ws, steps=3):
     return losses, [w.numpy() for w in ws]
 
 
-def readers_of(graph):
-    """{node name: names of the nodes that read it (data or control)}."""
+def readers_of(graph, data_only=False):
+    """{node name: names of the nodes that read it (data or control; data only with
+    data_only)}."""
     readers = {}
     for node in graph.node:
         for i in node.input:
+            if data_only and i.startswith("^"):
+                continue
             readers.setdefault(i.lstrip("^").split(":")[0], []).append(node.name)
     return readers
 

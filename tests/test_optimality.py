@@ -205,11 +205,15 @@ def optimality():
     return module
 
 
+def evaluate_graph(optimality, name, fraction):
+    """(graph figures, cases, checks) of benchmark graph `name` at one budget fraction."""
+    return optimality.evaluate(name, optimality.load(name), [fraction], time_limit=30,
+                               log=lambda *_: None)
+
+
 @pytest.fixture(scope="module")
 def mlp3_relu(optimality):
-    metagraph = optimality.load("mlp3_relu")
-    return optimality.evaluate("mlp3_relu", metagraph, [0.5], time_limit=30,
-                               log=lambda *_: None)
+    return evaluate_graph(optimality, "mlp3_relu", 0.5)
 
 
 def test_replays_agree_with_the_planner_and_the_verify_stage(optimality, mlp3_relu):
@@ -245,9 +249,7 @@ def test_clones_run_where_the_plan_puts_them_so_dag7_costs_the_optimum(optimalit
     # the control edge that triggers it (as TF's executor does), and where the emulated
     # order still differs from the plan's, control edges pin it (report.plan_choice.
     # order_edges): the MILP's plan, at the MILP's cost.
-    metagraph = optimality.load("dag7")
-    graph, (case,), checks = optimality.evaluate("dag7", metagraph, [0.5], time_limit=30,
-                                                 log=lambda *_: None)
+    graph, (case,), checks = evaluate_graph(optimality, "dag7", 0.5)
     assert checks == []
     assert case["milp_status"] == "optimal" and case["ours_fits"], case
     assert case["ours_replay"] == case["ours_peak"] == case["ours_verify_peak"]
@@ -262,9 +264,7 @@ def test_a_clone_serves_only_the_readers_after_the_peak_so_dag8_costs_the_optimu
     # no recomputation lowered it (ours missed every budget). The MILP recomputes
     # MatMul + ReLU for ReluGrad only; so does the pinned plan whose clones serve the
     # backward readers from the peak on (Choice::clone_readers_from).
-    metagraph = optimality.load("dag8")
-    graph, (case,), checks = optimality.evaluate("dag8", metagraph, [0.8], time_limit=30,
-                                                 log=lambda *_: None)
+    graph, (case,), checks = evaluate_graph(optimality, "dag8", 0.8)
     assert checks == []
     assert case["milp_status"] == "optimal" and case["ours_fits"], case
     assert sorted(case["ours_recomputed"]) == ["Relu", "matmul"]

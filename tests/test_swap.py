@@ -150,12 +150,8 @@ def test_unfused_swapins_give_each_reader_its_own_copy_and_lead_ops_bound_the_tr
     ins = [n for n in graph.node if n.name.startswith(IN)]
     assert report.swap["num_swap_in"] == len(ins) > report.swap["num_swap_out"]
     # Data readers: the order guard may make other nodes wait for a swap-in (control).
-    data_readers = {}
-    for node in graph.node:
-        for i in node.input:
-            if not i.startswith("^"):
-                data_readers.setdefault(i.split(":")[0], []).append(node.name)
-    assert all(len(data_readers[n.name]) == 1 for n in ins)
+    readers = readers_of(graph, data_only=True)
+    assert all(len(readers[n.name]) == 1 for n in ins)
 
     # swapin_lag_ops=1: the trigger is a direct input of the first reader.
     graph, _ = swap_only(step, x, swapin_lag_ops=1)
