@@ -188,8 +188,8 @@ const std::vector<std::string>& RecomputePolicyNames() {
 
 const std::vector<std::string>& FailStages() {
   static const auto* stages = new std::vector<std::string>{
-      "", "analyze", "simulate", "schedule", "plan", "rewrite", "order", "verify",
-      "report"};
+      "", "analyze", "simulate", "schedule", "plan", "rewrite", "order", "merge",
+      "verify", "report"};
   return *stages;
 }
 

@@ -16,6 +16,7 @@
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/plan/memory_planner.h"
 #include "grappler/plan/order_guard.h"
+#include "grappler/rewrite/onednn_merge_guard.h"
 #include "grappler/plan/pin_order.h"
 #include "grappler/plan/schedule.h"
 #include "grappler/plan/split_choice.h"
@@ -548,6 +549,26 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (result.edges.empty()) return absl::OkStatus();
     s = ApplyPinnedEdges(result.edges, output);
     if (!s.ok()) return s;
+    return analyze_output();
+  });
+  if (!status.ok()) return status;
+
+  // Merge: the node pairs TF's oneDNN layout pass merges stay mergeable, so that they
+  // run the same kernels as without the pass (rewrite/onednn_merge_guard.h).
+  status = stages->Run("merge", [&] {
+    if (!report->graph_changed) return absl::OkStatus();
+    MergeGuardResult result;
+    absl::Status s = KeepOneDnnMerges(item.graph, output, &result);
+    if (!s.ok()) return s;
+    MergeGuardReport& out = report->onednn_merges;
+    out.pairs = result.pairs;
+    out.edges_shared = result.edges_shared;
+    out.edges_removed = result.edges_removed;
+    out.edges_moved = result.edges_moved;
+    out.unmerged = result.unmerged;
+    if (result.edges_shared + result.edges_removed + result.edges_moved == 0) {
+      return absl::OkStatus();
+    }
     return analyze_output();
   });
   if (!status.ok()) return status;

@@ -19,7 +19,8 @@ import pytest
 
 from conftest import run_python
 
-STAGES = ["analyze", "simulate", "schedule", "plan", "rewrite", "order", "verify", "report"]
+STAGES = ["analyze", "simulate", "schedule", "plan", "rewrite", "order", "merge", "verify",
+          "report"]
 
 SCRIPT = r'''
 import json, sys

@@ -180,6 +180,14 @@ struct OrderGuardReport {
   bool complete = true;
 };
 
+// What the merge stage did to keep the pairs TF's oneDNN layout pass merges
+// (rewrite/onednn_merge_guard.h).
+struct MergeGuardReport {
+  int pairs = 0;
+  int edges_shared = 0, edges_removed = 0, edges_moved = 0;
+  std::vector<std::string> unmerged;
+};
+
 struct MemoryReport {
   std::string graph_id;
   std::string status = "ok";  // "ok" | "fallback"
@@ -204,6 +212,7 @@ struct MemoryReport {
   SplitReport split;
   PlanChoiceReport plan_choice;
   OrderGuardReport order_guard;
+  MergeGuardReport onednn_merges;
   std::vector<LoopReport> loops;
   int loop_swap_nodes = 0;  // nodes the loop swap added (swap-outs, swap-ins, triggers)
   // Timelines of the final graph and of the original one: per device, transient

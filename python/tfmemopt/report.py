@@ -85,6 +85,10 @@ class Report:
     against the budget: checked, edges that pin the planned order as [waited for,
     waiting] node names, complete, worst_peak_before_bytes and worst_peak_after_bytes
     per device; see docs/design.md),
+    onednn_merges (node pairs TF's oneDNN layout pass merges into one kernel, such as
+    Conv2DBackpropFilter + BiasAddGrad, kept mergeable so that they run the kernels they
+    run without tfmemopt: pairs, edges_shared, edges_removed, edges_moved, and unmerged,
+    the pairs a swap or a clone reading the first node leaves unmerged),
     loops (per while-loop: its trip count, the TensorLists it fills, which of them were
     moved to host memory as they fill, with bytes and predicted copy time, and
     left_alone, why not; see docs/loops.md), stage_seconds, total_seconds.
@@ -129,6 +133,7 @@ class Report:
         self.swap = data.get("swap", {})
         self.schedule = data.get("schedule", {})
         self.order_guard = data.get("order_guard", {})
+        self.onednn_merges = data.get("onednn_merges", {})
         self.split = data.get("split", {})
         # Per while-loop: frame, backward, trip_count (+ trip_count_source),
         # parallel_iterations, left_alone (why nothing of it moved) and lists: the
