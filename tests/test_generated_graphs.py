@@ -235,3 +235,35 @@ def test_tf_constant_folding_closes_a_cycle_through_a_const_s_control_inputs():
     with pytest.raises(tf.errors.InvalidArgumentError, match="topological order"):
         optimized(indirect=True)
 
+
+# Split seed 167 (a swap plan): the order pinning made the Const
+# gradient_tape/block_1/moments/scalar (TF's 2.0 of SquaredDifference's gradient,
+# already waiting for truediv_1) wait for the swap-in of block_1/moments/mean, which
+# waits for truediv_1 itself. The harness's second meta-optimizer run over that output
+# dropped truediv_1 -> scalar as implied (dependency optimizer), and constant folding
+# then pushed scalar into truediv_1 (the test above): "The graph couldn't be sorted in
+# topological order". A Const's place in the order changes no bytes (its kernel holds
+# its buffer all step), so no order edge goes into or out of one.
+def test_no_order_edge_touches_a_const_and_tf_s_passes_can_run_again(worker):
+    import tensorflow as tf
+    import tfmemopt
+    from tfmemopt.analysis import metagraph_of
+
+    spec = gg.random_split_spec(167)
+    model = gg.Model(spec)  # holds the variables the function reads
+    metagraph = metagraph_of(model.step_function().get_concrete_function())
+    peak = tfmemopt.analyze_metagraph(metagraph, mode="ANALYZE_ONLY")
+    fields = gg.config_fields(spec, max(peak.predicted_peak_bytes["before"].values()))
+    for alone in (True, False):
+        graph, report = gg._optimize(metagraph, fields, alone=alone)
+        assert report is not None and report.status == "ok" and report.swapped_tensors, alone
+        before = ({n.name: set(n.input) for n in metagraph.graph_def.node} if alone else
+                  {n.name: set(n.input) for n in
+                   gg._optimize(metagraph, {**fields, "mode": "ANALYZE_ONLY"})[0].node})
+        consts = {n.name for n in graph.node if n.op in ("Const", "HostConst")}
+        for n in graph.node:
+            added = {i for i in n.input if i.startswith("^")} - before.get(n.name, set())
+            assert not (n.name in consts and added), (alone, n.name, added)
+            assert not {i[1:] for i in added} & consts, (alone, n.name, added)
+    result = worker.run(spec)
+    assert result["outcome"] == "ok", describe(spec, result)
