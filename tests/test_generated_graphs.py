@@ -195,10 +195,10 @@ def test_a_swapped_max_pool_output_costs_its_gradient_eigens_scratch_in_the_plan
 
 
 # TF's constant folding can turn a graph that sorts into one that does not: for
-# Mul(C, Mul(c, X)) with constants C and c it pushes C down into the inner Mul
+# Mul(C, M), M = Mul(c, X), with constants C and c it pushes C down into M
 # (ConstantFolding::ConstantPushDown), which then reads C and waits for whatever C
-# waits for. Its guard (PrepareConstantPushDown) only refuses when the inner Mul is a
-# direct control input of C. Here C waits for X through another node: a cycle.
+# waits for. Its guard (PrepareConstantPushDown) only refuses when M is a direct
+# control input of C. Here C waits for M through another node: a cycle.
 def test_tf_constant_folding_closes_a_cycle_through_a_const_s_control_inputs():
     import tensorflow as tf
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
@@ -245,7 +245,6 @@ def test_tf_constant_folding_closes_a_cycle_through_a_const_s_control_inputs():
 # topological order". A Const's place in the order changes no bytes (its kernel holds
 # its buffer all step), so no order edge goes into or out of one.
 def test_no_order_edge_touches_a_const_and_tf_s_passes_can_run_again(worker):
-    import tensorflow as tf
     import tfmemopt
     from tfmemopt.analysis import metagraph_of
 

@@ -40,17 +40,17 @@ namespace tfmemopt {
 // Const's control inputs onto the nodes it folds or pushes the Const into, and its
 // guard against the cycles that can close (ConstantFolding::PrepareConstantPushDown,
 // TF 2.21) sees only a direct control edge from the other operand to the Const. With
-// Mul(C, Mul(c, X)) and C waiting for a node that waits for X, the push-down
-// rewrites the inner Mul to Mul(C, c), which then waits for itself; TF's dependency
-// optimizer creates exactly that shape when it drops X -> C as implied by
-// X -> (our node) -> C (stress split seed 167, its second meta-optimizer run).
+// P = Mul(C, M), M = Mul(c, X) and C waiting for a node that waits for M, the
+// push-down rewrites M to Mul(C, c), which then waits for itself; TF's dependency
+// optimizer creates exactly that shape when it drops M -> C as implied by
+// M -> (our node) -> C (stress split seed 167, its second meta-optimizer run).
 bool IsUntimed(const tensorflow::NodeDef& def);
 
 // Whether node `n` may be made to wait for another node by a control edge (not
 // under control flow, not an input of the graph, not untimed), and whether another
 // node may wait for `n` (not under control flow: a control edge cannot cross a
-// frame; not untimed). The loop
-// swap's copies, added inside loop frames, are under control flow too.
+// frame; not untimed). The loop swap's copies, added inside loop frames, are under
+// control flow too.
 bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n);
 bool MayBeWaitedFor(const TensorTable& table, const ControlFlowInfo& flow, int n);
 
