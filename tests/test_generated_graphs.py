@@ -192,3 +192,77 @@ def test_a_swapped_max_pool_output_costs_its_gradient_eigens_scratch_in_the_plan
     result = worker.run(spec)
     assert result["outcome"] == "ok", describe(spec, result)
     assert result["rewritten"], describe(spec, result)
+
+
+# TF's constant folding can turn a graph that sorts into one that does not: for
+# Mul(C, M), M = Mul(c, X), with constants C and c it pushes C down into M
+# (ConstantFolding::ConstantPushDown), which then reads C and waits for whatever C
+# waits for. Its guard (PrepareConstantPushDown) only refuses when M is a direct
+# control input of C. Here C waits for M through another node: a cycle.
+def test_tf_constant_folding_closes_a_cycle_through_a_const_s_control_inputs():
+    import tensorflow as tf
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.python.grappler import cluster as grappler_cluster
+    from tensorflow.python.grappler import tf_optimizer
+
+    def optimized(indirect):
+        graph = tf.Graph()
+        with graph.as_default():
+            a = tf.compat.v1.placeholder(tf.float32, [4], name="a")
+            x = tf.multiply(tf.constant(3.0, name="c"), a, name="x")
+            waited = x
+            if indirect:
+                with tf.control_dependencies([x]):
+                    waited = tf.identity(a, name="y")
+                graph.add_to_collection("train_op", waited)
+            with tf.control_dependencies([waited]):
+                big_c = tf.constant(2.0, name="big_c")
+            graph.add_to_collection("train_op", tf.identity(big_c * x, name="out"))
+            metagraph = tf.compat.v1.train.export_meta_graph(graph=graph)
+        config = config_pb2.ConfigProto()
+        rewrite = config.graph_options.rewrite_options
+        rewrite.min_graph_nodes = -1
+        rewrite.optimizers.append("constfold")
+        rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+        return tf_optimizer.OptimizeGraph(
+            config, metagraph, cluster=grappler_cluster.Cluster(disable_detailed_stats=True))
+
+    # With the direct edge the guard holds: nothing is pushed down.
+    direct = {n.name: n for n in optimized(indirect=False).node}
+    assert list(direct["x"].input) == ["c", "a"] and direct["big_c"].op == "Const"
+    # If this stops raising, TF fixed its guard and tfmemopt's rule that no order edge
+    # touches a Const (plan/pin_order.h, IsUntimed) is no longer needed for it.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="topological order"):
+        optimized(indirect=True)
+
+
+# Split seed 167 (a swap plan): the order pinning made the Const
+# gradient_tape/block_1/moments/scalar (TF's 2.0 of SquaredDifference's gradient,
+# already waiting for truediv_1) wait for the swap-in of block_1/moments/mean, which
+# waits for truediv_1 itself. The harness's second meta-optimizer run over that output
+# dropped truediv_1 -> scalar as implied (dependency optimizer), and constant folding
+# then pushed scalar into truediv_1 (the test above): "The graph couldn't be sorted in
+# topological order". A Const's place in the order changes no bytes (its kernel holds
+# its buffer all step), so no order edge goes into or out of one.
+def test_no_order_edge_touches_a_const_and_tf_s_passes_can_run_again(worker):
+    import tfmemopt
+    from tfmemopt.analysis import metagraph_of
+
+    spec = gg.random_split_spec(167)
+    model = gg.Model(spec)  # holds the variables the function reads
+    metagraph = metagraph_of(model.step_function().get_concrete_function())
+    peak = tfmemopt.analyze_metagraph(metagraph, mode="ANALYZE_ONLY")
+    fields = gg.config_fields(spec, max(peak.predicted_peak_bytes["before"].values()))
+    for alone in (True, False):
+        graph, report = gg._optimize(metagraph, fields, alone=alone)
+        assert report is not None and report.status == "ok" and report.swapped_tensors, alone
+        before = ({n.name: set(n.input) for n in metagraph.graph_def.node} if alone else
+                  {n.name: set(n.input) for n in
+                   gg._optimize(metagraph, {**fields, "mode": "ANALYZE_ONLY"})[0].node})
+        consts = {n.name for n in graph.node if n.op in ("Const", "HostConst")}
+        for n in graph.node:
+            added = {i for i in n.input if i.startswith("^")} - before.get(n.name, set())
+            assert not (n.name in consts and added), (alone, n.name, added)
+            assert not {i[1:] for i in added} & consts, (alone, n.name, added)
+    result = worker.run(spec)
+    assert result["outcome"] == "ok", describe(spec, result)

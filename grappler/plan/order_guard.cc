@@ -60,7 +60,9 @@ bool Lowers(const std::map<std::string, int64_t>& after,
 // `target`) is made to wait for the node right before it in `target`, so that it
 // becomes ready just when the target runs it. One pass in target order, an edge per
 // ambiguity; the edges follow `target`, so none closes a cycle. (PinOrder then fixes
-// what this leaves, one emulation per edge.)
+// what this leaves, one emulation per edge.) Untimed nodes (constants, IsUntimed in
+// plan/pin_order.h) run wherever they become ready, so they neither make a node
+// ready here nor are waited for.
 void WaitForPredecessors(TensorTable* table, const ControlFlowInfo& flow,
                          const std::vector<int>& target, TableEdit* edit,
                          PinnedOrder* pinned) {
@@ -74,7 +76,10 @@ void WaitForPredecessors(TensorTable* table, const ControlFlowInfo& flow,
     int last = -1;
     auto consider = [&](int p) {
       // Loop back edges (from a node the target runs later) make nothing ready.
-      if (p >= 0 && position[p] < i && (last < 0 || position[p] > position[last])) last = p;
+      if (p >= 0 && position[p] < i && !IsUntimed(*table->nodes[p].def) &&
+          (last < 0 || position[p] > position[last])) {
+        last = p;
+      }
     };
     for (int t : table->nodes[s].inputs) consider(table->tensors[t].node);
     for (int c : table->nodes[s].control_inputs) consider(c);
@@ -83,8 +88,12 @@ void WaitForPredecessors(TensorTable* table, const ControlFlowInfo& flow,
       claimed[last] = s;
       continue;
     }
-    const int before = target[i - 1];
-    if (before == last || !MayWait(*table, flow, s) || !MayBeWaitedFor(*table, flow, before)) {
+    int before = -1;
+    for (int k = i - 1; k >= 0 && before < 0; --k) {
+      if (!IsUntimed(*table->nodes[target[k]].def)) before = target[k];
+    }
+    if (before < 0 || before == last || !MayWait(*table, flow, s) ||
+        !MayBeWaitedFor(*table, flow, before)) {
       continue;
     }
     edit->SaveControlInputs(*table, s);

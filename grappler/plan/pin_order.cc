@@ -32,7 +32,26 @@ bool Reaches(const TensorTable& table, int ancestor, int node) {
   return false;
 }
 
+// The first step where `emulated` leaves `target`, untimed nodes skipped in both:
+// (index in emulated, index in target), or both at their ends.
+std::pair<size_t, size_t> FirstDifference(const TensorTable& table,
+                                          const std::vector<int>& emulated,
+                                          const std::vector<int>& target) {
+  size_t i = 0, j = 0;
+  while (true) {
+    while (i < emulated.size() && IsUntimed(*table.nodes[emulated[i]].def)) ++i;
+    while (j < target.size() && IsUntimed(*table.nodes[target[j]].def)) ++j;
+    if (i == emulated.size() || j == target.size() || emulated[i] != target[j]) return {i, j};
+    ++i;
+    ++j;
+  }
+}
+
 }  // namespace
+
+bool IsUntimed(const tensorflow::NodeDef& def) {
+  return tensorflow::grappler::IsConstant(def);
+}
 
 bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n) {
   const tensorflow::NodeDef& def = *table.nodes[n].def;
@@ -40,12 +59,14 @@ bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n) {
     return false;
   }
   const std::string& op = def.op();
-  return op != "_Arg" && op != "Placeholder" && op != "PlaceholderWithDefault";
+  return op != "_Arg" && op != "Placeholder" && op != "PlaceholderWithDefault" &&
+         !IsUntimed(def);
 }
 
 bool MayBeWaitedFor(const TensorTable& table, const ControlFlowInfo& flow, int n) {
   const tensorflow::NodeDef& def = *table.nodes[n].def;
-  return !flow.Under(n) && !tensorflow::grappler::IsControlFlow(def) && !IsLoopSwapNode(def);
+  return !flow.Under(n) && !tensorflow::grappler::IsControlFlow(def) && !IsLoopSwapNode(def) &&
+         !IsUntimed(def);
 }
 
 absl::Status PinOrder(TensorTable* table, const ControlFlowInfo& flow,
@@ -61,22 +82,25 @@ absl::Status PinOrder(TensorTable* table, const ControlFlowInfo& flow,
   std::vector<int> other;
   while (true) {
     // The first choice whose order leaves the target, and where.
-    size_t i = target.size();
+    std::pair<size_t, size_t> at;
     const std::vector<int>* differs = nullptr;
     for (size_t c = 0; c < choices.size() && differs == nullptr; ++c) {
       std::vector<int>* emulated = c == 0 ? order : &other;
       absl::Status status = ExecutorOrder(*table, emulated, choices[c]);
       if (!status.ok()) return status;
-      i = 0;
-      while (i < target.size() && (*emulated)[i] == target[i]) ++i;
-      if (i < target.size()) differs = emulated;
+      at = FirstDifference(*table, *emulated, target);
+      if (at.first < emulated->size() || at.second < target.size()) differs = emulated;
     }
     if (differs == nullptr) {
       pinned->complete = true;
       return absl::OkStatus();
     }
     if (static_cast<int>(pinned->edges.size()) >= max_edges) return absl::OkStatus();
-    const int early = (*differs)[i], due = target[i];
+    // Both orders hold every node, so neither runs out before the other.
+    if (at.first >= differs->size() || at.second >= target.size()) {
+      return absl::InternalError("pin order: the orders hold different nodes");
+    }
+    const int early = (*differs)[at.first], due = target[at.second];
     if (!MayWait(*table, flow, early) || !MayBeWaitedFor(*table, flow, due) ||
         Reaches(*table, early, due)) {
       return absl::OkStatus();

@@ -32,10 +32,25 @@
 
 namespace tfmemopt {
 
+// Nodes whose place in the order changes nothing a plan is about: constants. A
+// Const's buffer is held by its kernel for the whole step (IsPersistentProducer in
+// analyze/tensor_table.cc), so where it runs moves no bytes; only its readers'
+// places matter, and those are pinned where they leave the target. Pinning never
+// adds a control edge into or out of a Const: TF's constant folding moves a
+// Const's control inputs onto the nodes it folds or pushes the Const into, and its
+// guard against the cycles that can close (ConstantFolding::PrepareConstantPushDown,
+// TF 2.21) sees only a direct control edge from the other operand to the Const. With
+// P = Mul(C, M), M = Mul(c, X) and C waiting for a node that waits for M, the
+// push-down rewrites M to Mul(C, c), which then waits for itself; TF's dependency
+// optimizer creates exactly that shape when it drops M -> C as implied by
+// M -> (our node) -> C (stress split seed 167, its second meta-optimizer run).
+bool IsUntimed(const tensorflow::NodeDef& def);
+
 // Whether node `n` may be made to wait for another node by a control edge (not
-// under control flow, not an input of the graph), and whether another node may wait
-// for `n` (not under control flow: a control edge cannot cross a frame). The loop
-// swap's copies, added inside loop frames, are under control flow too.
+// under control flow, not an input of the graph, not untimed), and whether another
+// node may wait for `n` (not under control flow: a control edge cannot cross a
+// frame; not untimed). The loop swap's copies, added inside loop frames, are under
+// control flow too.
 bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n);
 bool MayBeWaitedFor(const TensorTable& table, const ControlFlowInfo& flow, int n);
 
@@ -49,8 +64,10 @@ struct PinnedOrder {
 
 // Adds control edges to `table` (recorded in `edit` when given, to take back)
 // until ExecutorOrder(*table, choice) is `target` for every choice in `choices`, or
-// `max_edges` are added, or a node that may not wait would have to. `order`
-// receives the table's executor order with the edges added, by the first choice.
+// `max_edges` are added, or a node that may not wait would have to. Orders are
+// compared without their untimed nodes (IsUntimed), which neither wait nor are
+// waited for. `order` receives the table's executor order with the edges added, by
+// the first choice.
 absl::Status PinOrder(TensorTable* table, const ControlFlowInfo& flow,
                       const std::vector<int>& target, int max_edges, TableEdit* edit,
                       PinnedOrder* pinned, std::vector<int>* order,
