@@ -206,19 +206,25 @@ class Model:
     step. Two Models of one spec start from bitwise-equal weights.
 
     The weights are made by one eager forward pass on zeros, in call order; the
-    traced step asks for them in the same order and gets the same variables."""
+    traced step asks for them in the same order and gets the same variables.
 
-    def __init__(self, spec):
+    dtype="float64" builds the same model in double precision, a reference for
+    float32's rounding: the same float32 draws (inputs, targets, weights, dropout
+    masks) widened exactly, every op the same, computed in float64. float32, the
+    default, is the model the pass is tested on."""
+
+    def __init__(self, spec, dtype="float32"):
         import numpy as np
         import tensorflow as tf
 
         self.tf, self.np, self.spec = tf, np, spec
+        self.dtype = tf.as_dtype(dtype)
         self.rng = np.random.default_rng(spec["seed"])
         batch = spec["batch"]
-        self.x = tf.constant(self.rng.standard_normal([batch] + spec["input_shape"],
-                                                      dtype=np.float32))
-        self.targets = [tf.constant(self.rng.standard_normal((batch, loss["outputs"]),
-                                                             dtype=np.float32))
+        self.x = tf.constant(self._widened(self.rng.standard_normal(
+            [batch] + spec["input_shape"], dtype=np.float32)))
+        self.targets = [tf.constant(self._widened(self.rng.standard_normal(
+                            (batch, loss["outputs"]), dtype=np.float32)))
                         for loss in spec["losses"]]
         self.labels = [tf.constant(self.rng.integers(0, loss["outputs"], size=(batch,),
                                                      dtype=np.int32))
@@ -231,6 +237,10 @@ class Model:
         if spec["optimizer"] == "momentum":
             self._slots = [tf.Variable(tf.zeros_like(v)) for v in self.variables]
 
+    def _widened(self, value):
+        """A float32 numpy draw, in the model's dtype (exactly: float32 -> float64)."""
+        return value.astype(self.np.float32).astype(self.dtype.as_numpy_dtype)
+
     def _weight(self, shape, share_key=None):
         if not self._recording:
             variable = self._sequence[self._next]
@@ -240,7 +250,7 @@ class Model:
         if variable is None:
             fan_in = int(self.np.prod(shape[:-1])) or 1
             value = self.rng.standard_normal(shape, dtype=self.np.float32) / self.np.sqrt(fan_in)
-            variable = self.tf.Variable(value.astype(self.np.float32))
+            variable = self.tf.Variable(self._widened(value))
             self.variables.append(variable)
             if share_key is not None:
                 self._shared[share_key] = variable
@@ -324,6 +334,12 @@ class Model:
                 return (h - mean) * tf.math.rsqrt(var + 1e-3)
             return h * tf.sigmoid(tf.reduce_sum(h, axis=1, keepdims=True))
         if kind == "dropout":
+            if self.dtype != tf.float32:
+                # tf.nn.dropout's own steps (nn_ops._dropout), with the float32 draw
+                # of the same seeds: the float32 model's mask.
+                draw = tf.random.uniform(tf.shape(h), seed=100 + i, dtype=tf.float32)
+                return tf.where(draw >= b["rate"], h * (1 / (1 - b["rate"])),
+                                tf.zeros_like(h))
             return tf.nn.dropout(h, rate=b["rate"], seed=100 + i)
         if kind == "stateless_dropout":
             mask = tf.random.stateless_uniform(tf.shape(h), seed=[self.spec["seed"] % 997, i])
@@ -362,17 +378,17 @@ class Model:
         steps, units = b["steps"], b["units"]
         w = self._weight([h.shape[-1], units])
         u = self._weight([units, units])
-        scales = tf.reshape(tf.range(1, steps + 1, dtype=tf.float32) / steps, [steps, 1, 1])
+        scales = tf.reshape(tf.range(1, steps + 1, dtype=self.dtype) / steps, [steps, 1, 1])
         xs = tf.tile(h[None], [steps, 1, 1]) * scales
 
         def cell(prev, x):
             return self._act(tf.matmul(x, w) + tf.matmul(prev, u), b["act"])
 
-        init = tf.zeros([self.spec["batch"], units])
+        init = tf.zeros([self.spec["batch"], units], self.dtype)
         if b["form"] == "scan":
             outputs = tf.scan(cell, xs, initializer=init)
         else:
-            array = tf.TensorArray(tf.float32, size=steps)
+            array = tf.TensorArray(self.dtype, size=steps)
 
             def body(t, prev, array):
                 state = cell(prev, xs[t])

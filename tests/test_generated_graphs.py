@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -92,6 +93,46 @@ def test_split_cases_lose_nothing_within_the_tolerance(worker):
         assert result["outcome"] in ("ok", "fallback"), describe(spec, result)
         split += bool(result.get("split"))
     assert split >= 2
+
+
+# The reference is the same model: Model(spec, dtype="float64") widens the float32
+# draws (inputs, weights, dropout masks of both kinds) and runs the same ops, so its
+# results are the float32 model's to float32's accuracy, step 2 (new masks) included.
+# A different mask, or a different weight, would be off by far more.
+SAME_MODEL = [
+    {"seed": 7, "batch": 32, "kind": "dense", "input_shape": [24],
+     "blocks": [{"type": "dense", "units": 16, "act": "tanh", "bias": True},
+                {"type": "dropout", "rate": 0.3},
+                {"type": "rnn", "form": "while", "steps": 3, "units": 8, "act": "tanh",
+                 "readout": "last"},
+                {"type": "stateless_dropout", "rate": 0.5},
+                {"type": "rnn", "form": "scan", "steps": 2, "units": 8, "act": "sigmoid",
+                 "readout": "mean"}],
+     "losses": [{"type": "mse", "tap": 8, "outputs": 3},
+                {"type": "softmax_xent", "tap": 1, "outputs": 4}],
+     "optimizer": "momentum", "config": {}},
+    {"seed": 8, "batch": 16, "kind": "image", "input_shape": [8, 8, 2],
+     "blocks": [{"type": "conv", "filters": 4, "kernel": 3, "stride": 1, "padding": "SAME",
+                 "act": "relu", "share": False},
+                {"type": "dropout", "rate": 0.1}, {"type": "pool", "how": "max"},
+                {"type": "conv_branch", "filters": 3, "combine": "concat", "act": "tanh"},
+                {"type": "global_pool"}],
+     "losses": [{"type": "sigmoid_xent", "tap": 8, "outputs": 2}],
+     "optimizer": "sgd", "config": {}},
+]
+
+
+@pytest.mark.parametrize("spec", SAME_MODEL, ids=["dense", "image"])
+def test_the_float64_reference_is_the_same_model(spec):
+    results = gg.train(gg.Model(spec))
+    reference = gg.train(gg.Model(spec, dtype="float64"))
+    assert reference["grads"][1][0].dtype == np.float64
+    pairs = [(f"step {s + 1} {key}[{k}]", a, r) for key in ("losses", "grads") for s in (0, 1)
+             for k, (a, r) in enumerate(zip(results[key][s], reference[key][s]))]
+    pairs += [(f"weights[{k}]", a, r)
+              for k, (a, r) in enumerate(zip(results["weights"], reference["weights"]))]
+    for where, a, r in pairs:
+        assert np.linalg.norm(a - r) <= 1e-5 * np.linalg.norm(r), where
 
 
 # Fall-backs found by the generator: the pass keeps the original graph (nothing is
