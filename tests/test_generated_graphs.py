@@ -6,9 +6,13 @@ and updated weights are bitwise equal to the run without tfmemopt (cases run in 
 worker process with one inter-op thread, where TF itself is deterministic); a second
 pass over the output adds nothing; a report that says the plan fits is within the
 budget, and so is a fresh simulation of the output; nothing stateful is cloned; every
-`TfMemOpt/` node's original exists. Where the pass split work along the batch,
-results after the first losses are compared within generated_graphs.SPLIT_RTOL. CI
-runs a fixed (derandomized) sample; `python benchmarks/stress.py --cases N` runs more.
+`TfMemOpt/` node's original exists. Where the pass split work along the batch, sums
+over the batch are added slice by slice, in another order: the first losses are still
+bitwise equal, and every later result is at most generated_graphs.SPLIT_ERROR_FACTOR
+(8) times as far from a float64 run of the same model as the float32 run without the
+pass is, counting that at least one float32 epsilon of the result: the split is about
+as accurate as TF without it. CI runs a fixed (derandomized) sample; `python
+benchmarks/stress.py --cases N` runs more.
 """
 
 import json
@@ -85,7 +89,7 @@ def test_split_cases_lose_nothing_within_the_tolerance(worker):
     """Split cases (generated_graphs.random_split_spec): batches and budgets that make
     the pass split work along the batch. The graph is valid, a second pass adds
     nothing, the budget claims hold, the first losses are bitwise equal and the rest
-    within SPLIT_RTOL."""
+    within the split rule (generated_graphs.SPLIT_ERROR_FACTOR)."""
     split = 0
     for seed in range(6):
         spec = gg.random_split_spec(seed)
@@ -133,6 +137,18 @@ def test_the_float64_reference_is_the_same_model(spec):
               for k, (a, r) in enumerate(zip(results["weights"], reference["weights"]))]
     for where, a, r in pairs:
         assert np.linalg.norm(a - r) <= 1e-5 * np.linalg.norm(r), where
+
+
+# Split seed 122, in 4 slices: a weight gradient is 1e-3*W (an l2 loss) plus a batch
+# sum of batch-centered activations (a batch_center block) over 448, a sum that is
+# zero in exact arithmetic. Added slice by slice it differs by 1.3e-5 of the
+# gradient's norm, a mismatch under a tolerance relative to that norm; against
+# float64 it is as accurate as without the split.
+def test_a_split_of_a_cancelling_batch_sum_is_no_mismatch(worker):
+    spec = gg.random_split_spec(122)
+    result = worker.run(spec)
+    assert result["outcome"] == "ok", describe(spec, result)
+    assert result["split"], describe(spec, result)
 
 
 # Fall-backs found by the generator: the pass keeps the original graph (nothing is
