@@ -99,6 +99,74 @@ def test_split_cases_lose_nothing_within_the_tolerance(worker):
     assert split >= 2
 
 
+# The split rule, on the kind of sum split seed 122 tripped over: a weight gradient
+# 1e-3*W (an l2 loss) plus the batch sum of batch-centered activations over 448 (a
+# reduce_mean of 64 x 7 logits), a sum that is zero in exact arithmetic. Rows of
+# float32 are added one after another (numpy, no BLAS: the same bits everywhere):
+# in one order without the pass, slice by slice (4 slices of 16 rows) with it, and
+# in float64 for the reference. "plain" is the same gradient of activations that are
+# not centered: a sum that does not cancel.
+
+def _sum_rows(rows):
+    total = np.zeros(rows.shape[1:], rows.dtype)
+    for row in rows:
+        total = total + row
+    return total
+
+
+def _one_step(dtype, cancelling=True, slices=1, bug=None):
+    """One training step's results, in the form of generated_graphs.train."""
+    rng = np.random.default_rng(122)
+    activations = (np.abs(rng.standard_normal((64, 21))) * 4).astype(np.float32).astype(dtype)
+    w = (rng.standard_normal((21, 7)) / np.sqrt(21)).astype(np.float32).astype(dtype)
+    if cancelling:
+        activations = activations - _sum_rows(activations) / dtype(64)
+    partial = [_sum_rows(part) for part in np.split(activations, slices)]
+    if bug == "a slice dropped":
+        partial[2] = np.zeros_like(partial[2])
+    elif bug == "a slice counted twice":
+        partial.append(partial[2])
+    elif bug == "a slice scaled by 1 + 1e-3":
+        partial[2] = partial[2] * dtype(1 + 1e-3)
+    batch_sum = _sum_rows(np.stack(partial))
+    grad = dtype(1e-3) * w + np.outer(batch_sum, np.ones(7, dtype)) / dtype(448)
+    return {"losses": [[dtype(1.5)]], "grads": [[grad]], "weights": [w - dtype(0.05) * grad]}
+
+
+def test_a_cancelling_sum_added_slice_by_slice_is_as_accurate_as_without_the_split():
+    base, split = _one_step(np.float32), _one_step(np.float32, slices=4)
+    reference = _one_step(np.float64)
+    assert gg.first_difference(base, split).startswith("step 1 grads[0]")  # not bitwise
+    # A tolerance of 1e-5 of the gradient's own norm (the rule before) calls it a bug:
+    gradient, split_gradient = base["grads"][0][0], split["grads"][0][0]
+    assert np.linalg.norm(split_gradient - gradient) > 1e-5 * np.linalg.norm(gradient)
+    # Measured against float64, it errs no more than the sum without the split:
+    assert gg.first_difference(base, split, reference) == ""
+    assert gg.worst_split_error(base, split, reference) < 0.5
+
+
+def test_a_sum_that_does_not_cancel_added_slice_by_slice_passes_too():
+    base, split = _one_step(np.float32, False), _one_step(np.float32, False, slices=4)
+    assert gg.first_difference(base, split, _one_step(np.float64, False)) == ""
+
+
+@pytest.mark.parametrize("bug", ["a slice dropped", "a slice counted twice",
+                                 "a slice scaled by 1 + 1e-3"])
+@pytest.mark.parametrize("cancelling", [True, False], ids=["cancelling", "plain"])
+def test_a_split_that_mishandles_one_slice_is_a_mismatch(bug, cancelling):
+    base, reference = _one_step(np.float32, cancelling), _one_step(np.float64, cancelling)
+    wrong = _one_step(np.float32, cancelling, slices=4, bug=bug)
+    assert gg.first_difference(base, wrong, reference).startswith("step 1 grads[0]")
+    assert gg.worst_split_error(base, wrong, reference) > 10
+
+
+def test_the_first_losses_of_a_split_stay_bitwise():
+    base, reference = _one_step(np.float32), _one_step(np.float64)
+    split = _one_step(np.float32, slices=4)
+    split["losses"] = [[np.nextafter(np.float32(1.5), np.float32(2))]]
+    assert gg.first_difference(base, split, reference).startswith("step 1 losses[0]")
+
+
 # The reference is the same model: Model(spec, dtype="float64") widens the float32
 # draws (inputs, weights, dropout masks of both kinds) and runs the same ops, so its
 # results are the float32 model's to float32's accuracy, step 2 (new masks) included.
