@@ -565,6 +565,20 @@ def original_of(name, names):
     return None
 
 
+def _kernel_choice_problems(graph_def, where):
+    """A rewrite must leave TF's kernel choices alone: with oneDNN (TF's default on x86
+    CPUs) a MaxPoolGrad whose pooled input is a swap-in instead of its MaxPool takes
+    Eigen's kernel, which adds overlapping windows' gradients in another order."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    if not _pywrap_util_port.IsMklEnabled():
+        return []
+    return [f"{where}: {n.name} (MaxPoolGrad) reads the swap-in {n.input[1]}, so it "
+            f"takes Eigen's kernel instead of oneDNN's" for n in graph_def.node
+            if n.op == "MaxPoolGrad" and len(n.input) > 1
+            and n.input[1].startswith(PREFIX + "SwapIn/")]
+
+
 def structure_problems(graph_def, where, input_names=()):
     """Invalid-graph problems, and property violations, of an optimized graph:
     (invalid, violations), lists of strings. A clone's original must be a node of
@@ -585,6 +599,7 @@ def structure_problems(graph_def, where, input_names=()):
         for i in n.input:
             if i.lstrip("^").split(":")[0] not in nodes:
                 invalid.append(f"{where}: {n.name} reads missing input {i}")
+    violations += _kernel_choice_problems(graph_def, where)
     # Acyclic (Kahn) over data and control edges, loop back edges aside.
     indegree = {name: 0 for name in nodes}
     readers = {name: [] for name in nodes}

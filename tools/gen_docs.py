@@ -109,6 +109,29 @@ def peak_accuracy(record):
             f"{pct(r.get('max_abs_error_planned'), False)}."]
 
 
+def unseen_models(record):
+    """Per model: bitwise equal, unplanned and planned predictions against measured."""
+    r = record["result"]
+    rows = []
+    for name, m in r["rows"].items():
+        if "bitwise_equal" not in m:
+            rows.append([name, "error: " + m.get("error", "")[:80]] + ["—"] * 7)
+            continue
+        u, p = m["unplanned"], m["planned"]
+        rows.append([name, "yes" if m["bitwise_equal"] else "NO",
+                     mib(u["predicted"]), mib(u["measured"]), pct(u["error"]),
+                     mib(m["budget_bytes"]), "yes" if p["fits"] else "no",
+                     mib(p["predicted"]), mib(p["measured"]), pct(p["error"])])
+    header = ["model", "bitwise equal", "predicted", "measured", "error",
+              f"planned: budget ({r.get('ratio', 0.6)}x)", "says it fits", "predicted",
+              "measured", "error"]
+    return table(header, rows) + [
+        "", f"{r['bitwise_equal']} of {r['models']} models bitwise equal; fall-backs: "
+            f"{', '.join(r['fallbacks']) or 'none'}; largest error unplanned "
+            f"{pct(r.get('max_abs_error_unplanned'), False)}, planned where the report says "
+            f"it fits {pct(r.get('max_abs_error_planned_fits'), False)}."]
+
+
 def max_batch(key_base, key_swap, key_auto, what):
     def render(record):
         r = record["result"]
@@ -313,6 +336,7 @@ RENDERERS = {
     ("plan_time", None): plan_time,
     ("v1_graphs", None): v1_graphs,
     ("peak_accuracy", None): peak_accuracy,
+    ("unseen_models", None): unseen_models,
     ("resnet50_lms", None): max_batch("max_batch_baseline", "max_batch_tfmemopt",
                                       "max_batch_auto", "batch"),
     ("deep_resnet", None): max_batch("max_depth_baseline", "max_depth_tfmemopt",

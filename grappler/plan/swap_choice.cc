@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/match.h"
+#include "grappler/analyze/kernel_memory.h"
 #include "grappler/ops/swap_ops.h"
 
 namespace tfmemopt {
@@ -55,6 +56,15 @@ bool SwapChoice::Swappable(int tensor) const {
   // A graph input's buffer belongs to the caller, who keeps it: swapping frees nothing.
   const std::string& op = producer.def->op();
   if (op == "_Arg" || op == "Placeholder" || op == "PlaceholderWithDefault") return false;
+  // A MaxPoolGrad that reads oneDNN's workspace through this tensor would read a
+  // swap-in instead and take Eigen's kernel (analyze/kernel_memory.h), which adds
+  // the gradients of overlapping windows in another order: not bit for bit.
+  for (int reader : t.consumers) {
+    const NodeInfo& grad = table.nodes[reader];
+    if (grad.inputs.size() > 1 && grad.inputs[1] == tensor && UsesOneDnnWorkspace(table, grad)) {
+      return false;
+    }
+  }
   return !producer.backward && !ctx_.flow.Under(t.node) && SwapOpsTakeType(t.dtype) &&
          t.size_known && !table.buffers[t.buffer].persistent &&
          !table.buffers[t.buffer].external && FilterReason(*producer.def, ctx_.options).empty();

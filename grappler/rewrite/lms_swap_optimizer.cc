@@ -19,7 +19,9 @@ namespace {
 using tensorflow::NodeDef;
 
 // MaxPoolGrad `grad` read oneDNN's workspace through `pooled` (its MaxPool's
-// output) and now reads a swap-in of it: TF's oneDNN layout pass rewrites a
+// output) and now reads a swap-in of it (the planner does not swap such a tensor,
+// SwapChoice::Swappable, as Eigen's kernel sums overlapping windows in another
+// order; this keeps the table right should a swap reach one): TF's oneDNN layout pass rewrites a
 // MaxPoolGrad only when its input 1 comes from the oneDNN MaxPool
 // (MaxpoolGradRewrite in mkl_layout_pass.cc), so the gradient takes Eigen's path
 // with its scratch (analyze/kernel_memory.h) and reads no workspace. The table
