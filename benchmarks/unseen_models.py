@@ -1,0 +1,260 @@
+"""Models the pass was not tuned for: same results, and how right the prediction is.
+
+Keras applications and small models built from layers that benchmarks/models.py does
+not use (grouped and separable convolutions, overlapping max pooling, SE blocks,
+hard-swish, GELU, LayerScale,
+attention with dropout, masking, bidirectional GRUs, transposed convolutions, spatial
+dropout, SELU/ELU/softplus). For each model, in fresh processes on TF's BFC CPU
+allocator (default threads, uncapped):
+
+  * plain: three training steps (Adam) without tfmemopt; the measured peak is the
+    highest per-step peak after the first step;
+  * planned: the same steps with tfmemopt.enable(budget=--ratio x that peak).
+
+A row compares the planned run with the plain one bit for bit (losses and every
+variable after three steps), notes a fall-back, and sets each prediction next to
+what was measured: unplanned (the report's peak before the plan against the plain
+run) and planned (the peak after the plan against the planned run; "fits" when the
+report says it meets the budget, the claim a user relies on).
+
+Usage: python benchmarks/unseen_models.py [--models NAME ...] [--ratio 0.6] [--json]
+With --json the last line is {"models": N, "bitwise_equal": N, "mismatches": [...],
+"fallbacks": [...], "errors": [...], "max_abs_error_unplanned",
+"max_abs_error_planned_fits", "rows": {name: {...}}}.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 3
+
+
+def _batch(batch, shape, classes=10, seed=0):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    return (tf.constant(rng.random((batch,) + tuple(shape), dtype=np.float32)),
+            tf.constant(rng.integers(0, classes, size=(batch,), dtype=np.int32)))
+
+
+def _application(name, size, batch, **kwargs):
+    def build():
+        import keras
+
+        model = getattr(keras.applications, name)(
+            weights=None, input_shape=(size, size, 3), classes=10, **kwargs)
+        # Keras applications end in a softmax.
+        return model, keras.losses.SparseCategoricalCrossentropy(), _batch(batch, (size, size, 3))
+    return build
+
+
+def vit_tiny():
+    """Patch embedding and three pre-norm blocks: attention with dropout, GELU MLP."""
+    import keras
+
+    inputs = keras.Input((64, 64, 3))
+    x = keras.layers.Reshape((64, 128))(keras.layers.Conv2D(128, 8, strides=8)(inputs))
+    for _ in range(3):
+        h = keras.layers.LayerNormalization()(x)
+        x = x + keras.layers.Dropout(0.1)(keras.layers.MultiHeadAttention(4, 32, dropout=0.1)(h, h))
+        h = keras.layers.LayerNormalization()(x)
+        x = x + keras.layers.Dense(128)(keras.layers.Dense(256, activation="gelu")(h))
+    outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(x))
+    return (keras.Model(inputs, outputs),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), _batch(16, (64, 64, 3)))
+
+
+def conv_autoencoder():
+    """ELU and SELU convolutions, spatial dropout, batch norm, a transposed convolution,
+    upsampling, softplus, global max pooling."""
+    import keras
+
+    L = keras.layers
+    inputs = keras.Input((64, 64, 3))
+    x = L.Conv2D(32, 3, strides=2, padding="same", activation="elu")(inputs)
+    x = L.SpatialDropout2D(0.2)(x)
+    x = L.BatchNormalization()(L.Conv2D(64, 3, strides=2, padding="same", activation="selu")(x))
+    x = L.UpSampling2D()(L.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu")(x))
+    x = L.GlobalMaxPooling2D()(L.Conv2D(16, 3, padding="same", activation="softplus")(x))
+    return (keras.Model(inputs, L.Dense(10)(x)),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), _batch(16, (64, 64, 3)))
+
+
+def bidirectional_gru():
+    """Masking, a bidirectional GRU returning sequences, an LSTM with dropout."""
+    import keras
+
+    L = keras.layers
+    inputs = keras.Input((60, 16))
+    x = L.Bidirectional(L.GRU(64, return_sequences=True))(L.Masking()(inputs))
+    x = L.LSTM(64, dropout=0.1)(x)
+    return (keras.Model(inputs, L.Dense(10)(x)),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), _batch(32, (60, 16)))
+
+
+def embedding_attention():
+    """Token embedding, Conv1D, dot-product attention, dropout."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    L = keras.layers
+    inputs = keras.Input((100,), dtype="int32")
+    x = L.Conv1D(64, 5, padding="same", activation="relu")(L.Embedding(5000, 64)(inputs))
+    x = L.Dropout(0.3)(L.GlobalAveragePooling1D()(L.Attention()([x, x])))
+    rng = np.random.default_rng(0)
+    data = (tf.constant(rng.integers(0, 5000, size=(32, 100), dtype=np.int32)),
+            tf.constant(rng.integers(0, 10, size=(32,), dtype=np.int32)))
+    return (keras.Model(inputs, L.Dense(10)(x)),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), data)
+
+
+MODELS = {
+    "vgg16": _application("VGG16", 64, 16),
+    "resnet50v2": _application("ResNet50V2", 64, 8),
+    "xception": _application("Xception", 71, 8),
+    "inceptionv3": _application("InceptionV3", 75, 8),
+    "mobilenetv3small": _application("MobileNetV3Small", 64, 16),
+    "efficientnetv2b0": _application("EfficientNetV2B0", 64, 8),
+    "convnext_tiny": _application("ConvNeXtTiny", 32, 4),
+    "nasnetmobile": _application("NASNetMobile", 64, 4),
+    "vit_tiny": vit_tiny,
+    "conv_autoencoder": conv_autoencoder,
+    "bidirectional_gru": bidirectional_gru,
+    "embedding_attention": embedding_attention,
+}
+
+
+def child(name, budget):
+    """One run in this process: prints one JSON line."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tfmemopt.demo import keras_train_step
+
+    keras.utils.set_random_seed(0)
+    if budget:
+        import tfmemopt
+
+        tfmemopt.enable(budget=budget)
+    model, loss, (x, y) = MODELS[name]()
+    step = keras_train_step(model, loss)
+    out = {"losses": [], "peaks": []}
+    try:
+        for _ in range(STEPS):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            out["losses"].append(float(step(x, y).numpy()).hex())
+            out["peaks"].append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    except Exception as err:  # noqa: BLE001 - reported as the row's error
+        out["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    digest = hashlib.sha256()
+    for variable in model.variables:
+        digest.update(np.ascontiguousarray(variable.numpy()).tobytes())
+    out["weights"] = digest.hexdigest()
+    if budget:
+        import tfmemopt
+
+        report = max(tfmemopt.reports(), key=lambda r: r.num_nodes)  # the train step
+        out["report"] = {"status": report.status, "message": report.message,
+                         "changed": report.graph_changed,
+                         "before": report.predicted_peak_bytes["before"]["CPU:0"],
+                         "after": report.predicted_peak_bytes["after"]["CPU:0"],
+                         "budget": report.budget_bytes["CPU:0"]}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_child(name, budget, timeout=1800):
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
+    env.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16384")
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
+                               str(budget)], capture_output=True, text=True, env=env,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        tail = done.stderr.strip().splitlines()[-1:] or [""]
+        return {"error": f"exit code {done.returncode}: {tail[0][:300]}"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def measure(name, ratio, log):
+    plain = run_child(name, 0)
+    row = {"steady_peak_bytes": None}
+    if "error" in plain:
+        row["error"] = "plain: " + plain["error"]
+        return row
+    peak = max(plain["peaks"][1:])
+    row["steady_peak_bytes"] = peak
+    planned = run_child(name, int(ratio * peak))
+    if "error" in planned:
+        row["error"] = "planned: " + planned["error"]
+        if "report" not in planned:
+            return row
+    report = planned["report"]
+    planned_peak = max(planned["peaks"][1:]) if len(planned["peaks"]) > 1 else None
+    row.update(
+        bitwise_equal=planned["losses"] == plain["losses"] and planned["weights"] == plain["weights"],
+        fallback=report["status"] != "ok", changed=report["changed"],
+        budget_bytes=report["budget"],
+        unplanned={"predicted": report["before"], "measured": peak,
+                   "error": report["before"] / peak - 1},
+        planned={"predicted": report["after"], "measured": planned_peak,
+                 "error": report["after"] / planned_peak - 1 if planned_peak else None,
+                 "fits": report["after"] <= report["budget"]})
+    log(f"{name}: {'bitwise equal' if row['bitwise_equal'] else 'DIFFERS'}; unplanned "
+        f"{report['before'] / 2**20:.1f} MiB predicted / {peak / 2**20:.1f} measured; planned "
+        f"{report['after'] / 2**20:.1f} / {(planned_peak or 0) / 2**20:.1f} MiB "
+        f"({'fits' if row['planned']['fits'] else 'over'} the budget)")
+    return row
+
+
+def summarize(rows):
+    done = {name: row for name, row in rows.items() if "bitwise_equal" in row}
+    unplanned = [abs(r["unplanned"]["error"]) for r in done.values()]
+    planned = [abs(r["planned"]["error"]) for r in done.values()
+               if r["planned"]["fits"] and r["planned"]["error"] is not None]
+    return {"models": len(rows),
+            "bitwise_equal": sum(r["bitwise_equal"] for r in done.values()),
+            "mismatches": sorted(n for n, r in done.items() if not r["bitwise_equal"]),
+            "fallbacks": sorted(n for n, r in done.items() if r["fallback"]),
+            "errors": sorted(f"{n}: {r['error']}" for n, r in rows.items() if "error" in r),
+            "max_abs_error_unplanned": max(unplanned, default=None),
+            "max_abs_error_planned_fits": max(planned, default=None),
+            "rows": rows}
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], int(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--ratio", type=float, default=0.6,
+                        help="planned budget as a fraction of the plain run's peak")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if not 0.0 < args.ratio <= 1.0:
+        parser.error(f"--ratio={args.ratio}; allowed: a fraction in (0, 1]")
+
+    def log(text):
+        print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    rows = {name: measure(name, args.ratio, log) for name in args.models}
+    summary = summarize(rows)
+    summary["ratio"] = args.ratio
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
