@@ -291,7 +291,8 @@ int64_t MaxPoolGradScratchBytes(const TensorTable& table, const NodeInfo& grad) 
   return grad.inputs.size() >= 3 ? 3 * table.tensors[grad.inputs[2]].bytes : 0;
 }
 
-void EstimateKernelScratch(const GraphProperties& properties, TensorTable* table) {
+void EstimateKernelScratch(const GraphProperties& properties,
+                           const tensorflow::FunctionDefLibrary& library, TensorTable* table) {
   for (NodeInfo& node : table->nodes) {
     const std::string& op = node.def->op();
     if ((op == "MaxPoolGrad" || op == "MaxPoolGradV2") && node.inputs.size() >= 3 &&

@@ -17,13 +17,16 @@
 #define TFMEMOPT_GRAPPLER_ANALYZE_KERNEL_MEMORY_H_
 
 #include "grappler/analyze/tensor_table.h"
+#include "tensorflow/core/framework/function.pb.h"
 #include "tensorflow/core/grappler/costs/graph_properties.h"
 
 namespace tfmemopt {
 
 // Sets NodeInfo::temp_bytes: the most scratch each kernel holds at once, beyond
-// its outputs. Runs once the table's tensors and edges exist.
+// its outputs. Runs once the table's tensors and edges exist. `library` holds the
+// bodies of called functions (function_bodies.h), where known.
 void EstimateKernelScratch(const tensorflow::grappler::GraphProperties& properties,
+                           const tensorflow::FunctionDefLibrary& library,
                            TensorTable* table);
 
 // Adds the buffers kernels hand to later kernels outside the graph
