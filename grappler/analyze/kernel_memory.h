@@ -12,7 +12,11 @@
 //    (mkl_maxpooling_op.cc);
 //  * Einsum: transposed copies of the operands, the contraction's result before
 //    its transpose to the output's layout, reduced and strided copies
-//    (linalg/einsum_op_impl.h).
+//    (linalg/einsum_op_impl.h);
+//  * a call XLA compiles on the CPU (_XlaMustCompile) whose function takes the
+//    filter gradient of a grouped convolution: XLA's ConvolutionGroupConverter
+//    computes the dense, ungrouped filter gradient and masks it, in the
+//    executable's temp allocation.
 #ifndef TFMEMOPT_GRAPPLER_ANALYZE_KERNEL_MEMORY_H_
 #define TFMEMOPT_GRAPPLER_ANALYZE_KERNEL_MEMORY_H_
 
