@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "grappler/analyze/function_bodies.h"
 #include "grappler/memory_optimizer_options.h"
 #include "grappler/ops/host_memory_pool.h"
 #include "grappler/register_pass.h"
@@ -28,6 +29,11 @@ PYBIND11_MODULE(_ext, m) {
   m.def("reports", &tfmemopt::PublishedReports,
         "JSON reports of every graph optimized in this process, newest last.");
   m.def("clear_reports", &tfmemopt::ClearPublishedReports);
+  m.def(
+      "set_eager_context",
+      [](py::capsule context) { tfmemopt::SetEagerContext(context.get_pointer()); },
+      "Where the pass reads the bodies of functions Grappler gives it as stubs: the "
+      "eager context's handle (tensorflow.python.eager.context.context()._handle).");
   m.def("option_schema", &tfmemopt::OptionSchemaJson,
         "The config fields as the C++ pass knows them (JSON).");
   m.def(

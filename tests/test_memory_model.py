@@ -347,3 +347,61 @@ def test_a_successor_by_control_edge_runs_right_after_its_trigger():
     result = measure_function(_CONTROL)
     assert result["live"] - result["persistent"] == tensors(3)
     assert result["measured"] == pytest.approx(result["predicted"], rel=0.02)
+
+
+_GROUPED_CONV = r'''
+N, H, C, K = SHAPE
+x = tf.random.uniform([N, H, H, C], seed=1)
+w = tf.Variable(tf.random.uniform([K, K, 1, C], seed=2))  # groups = C (ConvNeXt's 7x7)
+
+def conv(x, w):
+    # As Keras 3 runs a grouped Conv2D on TF (keras/src/backend/tensorflow/nn.py,
+    # conv): TF's CPU Conv2DBackpropFilter has no grouped path without oneDNN, so
+    # Keras compiles the convolution with XLA, and TF differentiates the call into a
+    # backward function that XLA compiles too.
+    @tf.function(jit_compile=True)
+    def _conv_xla():
+        return tf.nn.convolution(x, w, 1, "SAME", data_format="NHWC")
+    return _conv_xla()
+
+@tf.function
+def fn(x):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = conv(x, w)
+        loss = tf.reduce_sum(y * y)
+    return tape.gradient(loss, [x, w])
+
+args = (x,)
+'''
+
+
+@pytest.mark.parametrize("shape", [
+    # The dense filter gradient (12.25 MiB) dominates: two of them.
+    (4, 8, 256, 7),
+    # The out_backprop's transposed copy (2 MiB) outgrows the dense gradient (400 KiB).
+    (8, 32, 64, 5),
+])
+def test_xla_grouped_filter_gradient_holds_a_dense_filter_gradient(shape):
+    # XLA's CPU backend cannot run the grouped filter gradient (a convolution with
+    # batch_group_count = groups) as it is: ConvolutionGroupConverter computes the
+    # dense [in_depth, kh, kw, out_depth] gradient of an ungrouped convolution over a
+    # transposed copy of out_backprop, masks it to the block diagonal (a select into a
+    # second dense buffer, GetExpandedFilterMask) and sums it down to the filter's
+    # shape. All of it lives in the executable's one temp allocation (anonymous in
+    # TF's allocator trace): the dense gradient plus the larger of the transposed
+    # out_backprop and the masked copy. Before the model had it (and before the pass
+    # read the bodies of XLA-compiled functions, which Grappler gives it as stubs),
+    # the pass predicted 0.58 MB and 4.2 MB for these peaks of 35.0 MB and 13.0 MB.
+    n, h, c, k = shape
+    x_bytes = 4 * n * h * h * c
+    result = measure_function(_GROUPED_CONV.replace("SHAPE", repr(shape)))
+    # Every tensor is sized now: y, its gradient, the gradient of x (x's size each).
+    # Left alone: the forward call hands x back unchanged (TF's gradient of the call
+    # needs it), and XLA returns the argument's own buffer (alias_passthrough_params)
+    # where the model counts a new tensor of x's size.
+    passthrough = x_bytes
+    # BFC hands the temp allocation (25.7 MB at the first shape) a chunk of 32 MiB,
+    # the region it grows for it; the allocator model does the same.
+    assert result["measured"] == pytest.approx(result["predicted"] - passthrough,
+                                               rel=0.02), result

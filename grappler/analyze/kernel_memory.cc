@@ -8,7 +8,9 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/util/util.h"
 
@@ -264,6 +266,121 @@ int64_t EinsumScratch(const std::string& raw_equation,
   return std::max<int64_t>(std::max(peak, at_end) - output_bytes, 0);
 }
 
+// ---------------------------------------------------------------------------
+// A grouped convolution's filter gradient compiled by XLA on the CPU.
+//
+// Keras 3 runs a grouped Conv2D (filter in-depth < input depth; ConvNeXt's 7x7
+// depthwise one has groups = channels) through tf.function(jit_compile=True)
+// (keras/src/backend/tensorflow/nn.py, conv: TF's CPU Conv2DBackpropFilter, the
+// Eigen one of conv_grad_filter_ops.cc, has no grouped path), and TF makes the
+// gradient of that call a backward function XLA compiles too. tf2xla lowers
+// Conv2DBackpropFilter of a grouped convolution to a convolution with
+// batch_group_count = groups (MakeXlaBackpropFilterConvOp), which XLA's CPU
+// backend cannot run: ConvolutionGroupConverter (HandleBatchGroupCount) turns it
+// into an ungrouped convolution giving the dense gradient [in_depth, kh, kw,
+// out_depth] over a transposed copy of out_backprop, a select of its block
+// diagonal (GetExpandedFilterMask) into a second dense buffer, and a
+// reduce-window down to the filter's shape. XLA's buffer assignment puts the
+// temporaries in one allocation, the transposed out_backprop and the masked
+// copy sharing a slot (neither lives while the other does): the dense gradient
+// plus the larger of the two. Read from the optimized HLO and its buffer
+// assignment (XLA_FLAGS=--xla_dump_to) of the backward function, and matched
+// byte for byte by the anonymous allocation in TF's allocator trace, at four
+// shapes. The transposed input, and the forward convolution and
+// Conv2DBackpropInput (XLA runs feature_group_count natively), add nothing.
+
+// Where `ref` (an input of a node in `function`'s body) comes from: the index of
+// the call's input it passes on unchanged through Identity nodes, or -1.
+int CallInputOf(const tensorflow::FunctionDef& function, const std::string& ref) {
+  std::string name = ref;
+  for (int hops = 0; hops < 16; ++hops) {
+    const std::vector<std::string> parts = absl::StrSplit(name, ':');
+    if (parts.size() == 1) {
+      const auto& args = function.signature().input_arg();
+      for (int i = 0; i < args.size(); ++i) {
+        if (args[i].name() == parts[0]) return i;
+      }
+      return -1;
+    }
+    const tensorflow::NodeDef* node = nullptr;
+    for (const auto& n : function.node_def()) {
+      if (n.name() == parts[0]) node = &n;
+    }
+    if (node == nullptr || node->input_size() == 0) return -1;
+    if (node->op() == "Identity") {
+      name = node->input(0);
+    } else {
+      return -1;
+    }
+  }
+  return -1;
+}
+
+// The dimensions of the tensor `ref` names in `function`'s body as the call's
+// input, or of the shape `ref` holds when it is a Shape / ShapeN of one.
+bool RefDims(const GraphProperties& properties, const TensorTable& table, const NodeInfo& call,
+             const tensorflow::FunctionDef& function, const std::string& ref, bool shape_of,
+             std::vector<int64_t>* dims) {
+  if (!shape_of) {
+    const int port = CallInputOf(function, ref);
+    return port >= 0 && InputDims(properties, table, call, port, dims);
+  }
+  const std::vector<std::string> parts = absl::StrSplit(ref, ':');
+  if (parts.size() != 3) return false;
+  int index = 0;
+  if (!absl::SimpleAtoi(parts[2], &index)) return false;
+  for (const auto& node : function.node_def()) {
+    if (node.name() != parts[0]) continue;
+    if (node.op() == "ShapeN" && index < node.input_size()) {
+      return RefDims(properties, table, call, function, node.input(index), false, dims);
+    }
+    if (node.op() == "Shape" && index == 0 && node.input_size() > 0) {
+      return RefDims(properties, table, call, function, node.input(0), false, dims);
+    }
+    if (node.op() == "Const" && node.attr().count("value")) {
+      tensorflow::Tensor value;
+      if (!value.FromProto(node.attr().at("value").tensor()) || value.dims() != 1) return false;
+      dims->clear();
+      for (int64_t i = 0; i < value.NumElements(); ++i) {
+        dims->push_back(value.dtype() == tensorflow::DT_INT64 ? value.vec<int64_t>()(i)
+                                                             : value.vec<int32_t>()(i));
+      }
+      return true;
+    }
+  }
+  return false;
+}
+
+// The temp bytes XLA's executable of `call` holds for the grouped filter gradients
+// in its function, or 0.
+int64_t XlaGroupedFilterGradScratch(const GraphProperties& properties, const TensorTable& table,
+                                    const NodeInfo& call,
+                                    const tensorflow::FunctionDef& function) {
+  int64_t scratch = 0;
+  for (const auto& node : function.node_def()) {
+    if (node.op() != "Conv2DBackpropFilter" || node.input_size() < 3) continue;
+    std::vector<int64_t> input, filter, out_backprop;
+    if (!RefDims(properties, table, call, function, node.input(0), false, &input) ||
+        !RefDims(properties, table, call, function, node.input(1), true, &filter) ||
+        input.size() != 4 || filter.size() != 4) {
+      continue;
+    }
+    const bool nchw = node.attr().count("data_format") && node.attr().at("data_format").s() == "NCHW";
+    const int64_t in_depth = input[nchw ? 1 : 3];
+    if (filter[2] <= 0 || filter[2] == in_depth) continue;  // not grouped: XLA runs it as is
+    const tensorflow::DataType dtype =
+        node.attr().count("T") ? node.attr().at("T").type() : tensorflow::DT_FLOAT;
+    const int64_t element = tensorflow::DataTypeSize(dtype);
+    const int64_t dense = filter[0] * filter[1] * in_depth * filter[3] * element;
+    int64_t transposed = 0;  // out_backprop's copy; unknown: the dense buffer bounds it
+    if (RefDims(properties, table, call, function, node.input(2), false, &out_backprop)) {
+      transposed = Product(out_backprop) * element;
+    }
+    scratch = std::max(scratch, dense + std::max(dense, transposed));
+  }
+  return scratch;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -291,10 +408,20 @@ int64_t MaxPoolGradScratchBytes(const TensorTable& table, const NodeInfo& grad) 
   return grad.inputs.size() >= 3 ? 3 * table.tensors[grad.inputs[2]].bytes : 0;
 }
 
-void EstimateKernelScratch(const GraphProperties& properties, TensorTable* table) {
+void EstimateKernelScratch(const GraphProperties& properties,
+                           const tensorflow::FunctionDefLibrary& library, TensorTable* table) {
   for (NodeInfo& node : table->nodes) {
     const std::string& op = node.def->op();
-    if ((op == "MaxPoolGrad" || op == "MaxPoolGradV2") && node.inputs.size() >= 3 &&
+    if ((op == "PartitionedCall" || op == "StatefulPartitionedCall") &&
+        absl::StartsWith(node.device, "CPU") && node.def->attr().count("f") &&
+        node.def->attr().count("_XlaMustCompile") &&
+        node.def->attr().at("_XlaMustCompile").b()) {
+      for (const auto& function : library.function()) {
+        if (function.signature().name() == node.def->attr().at("f").func().name()) {
+          node.temp_bytes = XlaGroupedFilterGradScratch(properties, *table, node, function);
+        }
+      }
+    } else if ((op == "MaxPoolGrad" || op == "MaxPoolGradV2") && node.inputs.size() >= 3 &&
         !UsesOneDnnWorkspace(*table, node)) {
       node.temp_bytes = MaxPoolGradScratchBytes(*table, node);
     } else if (op == "Einsum" && node.def->attr().count("equation") && !node.outputs.empty()) {

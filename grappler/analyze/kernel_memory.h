@@ -12,18 +12,25 @@
 //    (mkl_maxpooling_op.cc);
 //  * Einsum: transposed copies of the operands, the contraction's result before
 //    its transpose to the output's layout, reduced and strided copies
-//    (linalg/einsum_op_impl.h).
+//    (linalg/einsum_op_impl.h);
+//  * a call XLA compiles on the CPU (_XlaMustCompile) whose function takes the
+//    filter gradient of a grouped convolution: XLA's ConvolutionGroupConverter
+//    computes the dense, ungrouped filter gradient and masks it, in the
+//    executable's temp allocation.
 #ifndef TFMEMOPT_GRAPPLER_ANALYZE_KERNEL_MEMORY_H_
 #define TFMEMOPT_GRAPPLER_ANALYZE_KERNEL_MEMORY_H_
 
 #include "grappler/analyze/tensor_table.h"
+#include "tensorflow/core/framework/function.pb.h"
 #include "tensorflow/core/grappler/costs/graph_properties.h"
 
 namespace tfmemopt {
 
 // Sets NodeInfo::temp_bytes: the most scratch each kernel holds at once, beyond
-// its outputs. Runs once the table's tensors and edges exist.
+// its outputs. Runs once the table's tensors and edges exist. `library` holds the
+// bodies of called functions (function_bodies.h), where known.
 void EstimateKernelScratch(const tensorflow::grappler::GraphProperties& properties,
+                           const tensorflow::FunctionDefLibrary& library,
                            TensorTable* table);
 
 // Adds the buffers kernels hand to later kernels outside the graph

@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "grappler/analyze/function_bodies.h"
 #include "grappler/analyze/kernel_memory.h"
 #include "grappler/analyze/op_costs.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -537,9 +538,11 @@ absl::Status InferShapes(GraphProperties* properties) {
 }
 
 // The table of `item`, with shapes from `properties`: inferred on `item` or on a
-// copy of it whose nodes have the same names.
+// copy of it whose nodes have the same names. `library`: the functions, with the
+// bodies of stubs filled in (FillFunctionBodies).
 absl::Status BuildFromProperties(const GrapplerItem& item,
                                  const GraphProperties& properties,
+                                 const tensorflow::FunctionDefLibrary& library,
                                  const MemoryOptimizerOptions& options,
                                  TensorTable* table) {
   *table = TensorTable();
@@ -628,7 +631,7 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
   }
 
   SizeTensorLists(table);
-  EstimateKernelScratch(properties, table);
+  EstimateKernelScratch(properties, library, table);
   EstimateComputeSeconds(properties, table);
 
   // Backward = in a gradient scope or downstream of one, along data edges. Nodes
@@ -927,13 +930,26 @@ bool RefineShapes(const GrapplerItem& item, const TensorTable& table,
 absl::Status BuildTensorTable(const GrapplerItem& item,
                               const MemoryOptimizerOptions& options,
                               TensorTable* table) {
-  GraphProperties properties(item);
+  // Functions the item has as stubs (function_bodies.h) get their bodies back in a
+  // copy, so that shape inference sees through their calls (GraphProperties'
+  // UpdateFunction) and the kernel-memory model sees what XLA compiles.
+  GrapplerItem with_bodies;
+  const GrapplerItem* inferred = &item;
+  {
+    tensorflow::GraphDef graph = item.graph;
+    if (FillFunctionBodies(&graph)) {
+      with_bodies = item.WithGraph(std::move(graph));
+      inferred = &with_bodies;
+    }
+  }
+  const tensorflow::FunctionDefLibrary& library = inferred->graph.library();
+  GraphProperties properties(*inferred);
   absl::Status status = InferShapes(&properties);
   if (!status.ok()) return status;
-  status = BuildFromProperties(item, properties, options, table);
+  status = BuildFromProperties(item, properties, library, options, table);
   if (!status.ok() || table->unresolved_tensors.empty()) return status;
   GrapplerItem copy;
-  if (!RefineShapes(item, *table, properties, &copy)) return absl::OkStatus();
+  if (!RefineShapes(*inferred, *table, properties, &copy)) return absl::OkStatus();
   GraphProperties refined(copy);
   status = InferShapes(&refined);
   if (!status.ok()) {
@@ -941,7 +957,7 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
     return absl::OkStatus();
   }
   TensorTable second;
-  status = BuildFromProperties(item, refined, options, &second);
+  status = BuildFromProperties(item, refined, library, options, &second);
   VLOG(1) << "TfMemOpt: unresolved tensors " << table->unresolved_tensors.size()
           << ", with refined shapes " << second.unresolved_tensors.size() << " ("
           << status.message() << ")";

@@ -50,8 +50,30 @@ def _apply_edits(options, override=None):
     options.config_proto_serialized = config
 
 
+# The eager context's handle last handed to the pass (see hand_over_function_bodies).
+_handed_handle = None
+
+
+def hand_over_function_bodies(ctx=None):
+    """Tells the pass which eager context holds the bodies of functions that Grappler
+    gives it as signatures only (calls XLA compiles; grappler/analyze/function_bodies.h).
+    Does nothing before TF's runtime is initialized (no handle yet), so it never
+    initializes it; called again on every graph-function call, it follows a context
+    that was reset."""
+    global _handed_handle
+    ctx = ctx if ctx is not None else _context.context()
+    handle = getattr(ctx, "_handle", None)
+    if handle is None or handle is _handed_handle:
+        return
+    from tfmemopt._loader import load_extension
+
+    load_extension().set_eager_context(handle)
+    _handed_handle = handle
+
+
 def _function_call_options(self):
     if self is _context.context():
+        hand_over_function_bodies(self)
         data = self._thread_local_data
         override = getattr(_thread_override, "edit", None)
         state = (_generation, getattr(_thread_override, "serial", 0))

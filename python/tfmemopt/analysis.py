@@ -39,6 +39,9 @@ def analyze_metagraph(metagraph, budget=None, **fields):
     config.graph_options.rewrite_options.min_graph_nodes = -1
     config.graph_options.rewrite_options.fail_on_optimizer_errors = False
     cluster = grappler_cluster.Cluster(disable_detailed_stats=True)
+    # Bodies of functions Grappler hands the pass as stubs (XLA-compiled calls).
+    from tfmemopt._eager_context import hand_over_function_bodies
+    hand_over_function_bodies()
     before = len(_config._ext.reports())
     tf_optimizer.OptimizeGraph(config, metagraph, cluster=cluster)
     new = [json.loads(text) for text in _config._ext.reports()[before:]]
