@@ -11,16 +11,28 @@
 namespace tfmemopt {
 namespace {
 std::atomic<void*> eager_context{nullptr};
+
+// A signature with outputs and no nodes.
+bool IsStub(const tensorflow::FunctionDef& function) {
+  return function.node_def_size() == 0 && function.signature().output_arg_size() > 0;
+}
 }  // namespace
 
 void SetEagerContext(void* context) { eager_context.store(context); }
+
+bool HasStubFunctions(const tensorflow::GraphDef& graph) {
+  for (const tensorflow::FunctionDef& function : graph.library().function()) {
+    if (IsStub(function)) return true;
+  }
+  return false;
+}
 
 bool FillFunctionBodies(tensorflow::GraphDef* graph) {
   auto* context = static_cast<TFE_Context*>(eager_context.load());
   if (context == nullptr) return false;
   bool filled = false;
   for (tensorflow::FunctionDef& function : *graph->mutable_library()->mutable_function()) {
-    if (function.node_def_size() > 0 || function.signature().output_arg_size() == 0) continue;
+    if (!IsStub(function)) continue;
     const std::string name = function.signature().name();
     TF_Buffer* buffer = TF_NewBuffer();
     TF_Status* status = TF_NewStatus();

@@ -19,6 +19,9 @@ namespace tfmemopt {
 // The eager context (a TFE_Context*) to read function bodies from; null: none.
 void SetEagerContext(void* context);
 
+// Whether `graph`'s library holds a stub function (no nodes, some outputs).
+bool HasStubFunctions(const tensorflow::GraphDef& graph);
+
 // Fills in the bodies of stub functions (no nodes, some outputs) of `graph`'s
 // library from the eager context. Returns whether any was filled.
 bool FillFunctionBodies(tensorflow::GraphDef* graph);

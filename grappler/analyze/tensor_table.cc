@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <memory>
 #include <set>
 
 #include "absl/container/flat_hash_map.h"
@@ -935,21 +936,29 @@ absl::Status BuildTensorTable(const GrapplerItem& item,
   // UpdateFunction) and the kernel-memory model sees what XLA compiles.
   GrapplerItem with_bodies;
   const GrapplerItem* inferred = &item;
-  {
+  if (HasStubFunctions(item.graph)) {  // the copy only where a body is missing
     tensorflow::GraphDef graph = item.graph;
     if (FillFunctionBodies(&graph)) {
       with_bodies = item.WithGraph(std::move(graph));
       inferred = &with_bodies;
     }
   }
-  const tensorflow::FunctionDefLibrary& library = inferred->graph.library();
-  GraphProperties properties(*inferred);
-  absl::Status status = InferShapes(&properties);
+  auto properties = std::make_unique<GraphProperties>(*inferred);
+  absl::Status status = InferShapes(properties.get());
+  if (!status.ok() && inferred != &item) {
+    // A body shape inference cannot take: the item as Grappler gave it, stubs and all.
+    VLOG(1) << "TfMemOpt: shape inference with function bodies failed (" << status.message()
+            << "); inferring without them";
+    inferred = &item;
+    properties = std::make_unique<GraphProperties>(item);
+    status = InferShapes(properties.get());
+  }
   if (!status.ok()) return status;
-  status = BuildFromProperties(item, properties, library, options, table);
+  const tensorflow::FunctionDefLibrary& library = inferred->graph.library();
+  status = BuildFromProperties(item, *properties, library, options, table);
   if (!status.ok() || table->unresolved_tensors.empty()) return status;
   GrapplerItem copy;
-  if (!RefineShapes(*inferred, *table, properties, &copy)) return absl::OkStatus();
+  if (!RefineShapes(*inferred, *table, *properties, &copy)) return absl::OkStatus();
   GraphProperties refined(copy);
   status = InferShapes(&refined);
   if (!status.ok()) {
