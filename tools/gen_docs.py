@@ -118,7 +118,8 @@ def unseen_models(record):
             rows.append([name, "error: " + m.get("error", "")[:80]] + ["—"] * 7)
             continue
         u, p = m["unplanned"], m["planned"]
-        rows.append([name, "yes" if m["bitwise_equal"] else "NO",
+        equal = {True: "yes", False: "NO", None: "plain TF varies"}[m["bitwise_equal"]]
+        rows.append([name, equal,
                      mib(u["predicted"]), mib(u["measured"]), pct(u["error"]),
                      mib(m["budget_bytes"]), "yes" if p["fits"] else "no",
                      mib(p["predicted"]), mib(p["measured"]), pct(p["error"])])
@@ -126,7 +127,9 @@ def unseen_models(record):
               f"planned: budget ({r.get('ratio', 0.6)}x)", "says it fits", "predicted",
               "measured", "error"]
     return table(header, rows) + [
-        "", f"{r['bitwise_equal']} of {r['models']} models bitwise equal; fall-backs: "
+        "", f"{r['bitwise_equal']} of {r['models']} models bitwise equal"
+            f"{'; plain TF does not repeat itself on ' + ', '.join(r['plain_not_repeatable']) if r.get('plain_not_repeatable') else ''}"
+            f"; mismatches: {', '.join(r['mismatches']) or 'none'}; fall-backs: "
             f"{', '.join(r['fallbacks']) or 'none'}; largest error unplanned "
             f"{pct(r.get('max_abs_error_unplanned'), False)}, planned where the report says "
             f"it fits {pct(r.get('max_abs_error_planned_fits'), False)}."]
