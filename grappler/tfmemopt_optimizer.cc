@@ -555,8 +555,20 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
 
   // Merge: the node pairs TF's oneDNN layout pass merges stay mergeable, so that they
   // run the same kernels as without the pass (rewrite/onednn_merge_guard.h).
+  // A pair left unmerged sums in another order, so the plan breaks merges only where
+  // nothing else fits: when keeping them takes back order edges the plan needs to
+  // meet a budget it met without them, the output keeps those edges and says so.
+  auto fits_budgets = [&]() {
+    for (const DeviceReport& device : devices) {
+      const int a = DeviceIndex(after, device.device);
+      if (a >= 0 && PredictedPeak(after.devices[a]) > device.budget_bytes) return false;
+    }
+    return true;
+  };
   status = stages->Run("merge", [&] {
     if (!report->graph_changed) return absl::OkStatus();
+    const bool fitted = after_built && fits_budgets();
+    tensorflow::GraphDef unguarded = *output;
     MergeGuardResult result;
     absl::Status s = KeepOneDnnMerges(item.graph, output, &result);
     if (!s.ok()) return s;
@@ -569,6 +581,10 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (result.edges_shared + result.edges_removed + result.edges_moved == 0) {
       return absl::OkStatus();
     }
+    s = analyze_output();
+    if (!s.ok() || !fitted || fits_budgets()) return s;
+    out.kept = false;
+    *output = std::move(unguarded);
     return analyze_output();
   });
   if (!status.ok()) return status;

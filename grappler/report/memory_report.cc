@@ -227,7 +227,8 @@ std::string MemoryReport::ToJson() const {
       << ",\"edges\":" << EdgesJson(order_guard.edges)
       << ",\"worst_peak_before_bytes\":" << BytesByDeviceJson(order_guard.worst_peak_before_bytes)
       << ",\"worst_peak_after_bytes\":" << BytesByDeviceJson(order_guard.worst_peak_after_bytes)
-      << "},\"onednn_merges\":{\"pairs\":" << onednn_merges.pairs
+      << "},\"onednn_merges\":{\"kept\":" << (onednn_merges.kept ? "true" : "false")
+      << ",\"pairs\":" << onednn_merges.pairs
       << ",\"edges_shared\":" << onednn_merges.edges_shared
       << ",\"edges_removed\":" << onednn_merges.edges_removed
       << ",\"edges_moved\":" << onednn_merges.edges_moved

@@ -183,6 +183,9 @@ struct OrderGuardReport {
 // What the merge stage did to keep the pairs TF's oneDNN layout pass merges
 // (rewrite/onednn_merge_guard.h).
 struct MergeGuardReport {
+  // False when the merges were given up because the plan fits its budget only with
+  // the order edges that break them (the output is then the unguarded one).
+  bool kept = true;
   int pairs = 0;
   int edges_shared = 0, edges_removed = 0, edges_moved = 0;
   std::vector<std::string> unmerged;

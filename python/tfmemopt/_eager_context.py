@@ -62,7 +62,8 @@ def hand_over_function_bodies(ctx=None):
     that was reset."""
     global _handed_handle
     ctx = ctx if ctx is not None else _context.context()
-    handle = getattr(ctx, "_handle", None)
+    # The raw attribute: the `_handle` property raises until the runtime starts.
+    handle = getattr(ctx, "_context_handle", None)
     if handle is None or handle is _handed_handle:
         return
     from tfmemopt._loader import load_extension

@@ -87,8 +87,10 @@ class Report:
     per device; see docs/design.md),
     onednn_merges (node pairs TF's oneDNN layout pass merges into one kernel, such as
     Conv2DBackpropFilter + BiasAddGrad, kept mergeable so that they run the kernels they
-    run without tfmemopt: pairs, edges_shared, edges_removed, edges_moved, and unmerged,
-    the pairs a swap or a clone reading the first node leaves unmerged),
+    run without tfmemopt: kept (false when the plan fits its budget only with the order
+    edges that break them, which it then keeps: those pairs' gradients sum in another
+    order), pairs, edges_shared, edges_removed, edges_moved, and unmerged, the pairs a
+    swap or a clone reading the first node leaves unmerged),
     loops (per while-loop: its trip count, the TensorLists it fills, which of them were
     moved to host memory as they fill, with bytes and predicted copy time, and
     left_alone, why not; see docs/loops.md), stage_seconds, total_seconds.
