@@ -270,6 +270,7 @@ class Report:
                 " (min_tensor_bytes=-1, adaptive)")
         lines.extend(self._schedule_lines())
         lines.extend(self._order_guard_lines())
+        lines.extend(self._merge_lines())
         lines.extend(self._split_lines())
         lines.extend(self._recompute_lines())
         lines.extend(self._swap_lines())
@@ -296,6 +297,14 @@ class Report:
         if len(sc.get("edges", [])) > 5:
             lines.append("    ...")
         return lines
+
+    def _merge_lines(self):
+        merges = self.onednn_merges
+        if merges.get("kept", True):
+            return []
+        return [f"  oneDNN merges: the plan fits only with order edges that keep some of "
+                f"{merges['pairs']} mergeable pairs (e.g. Conv2DBackpropFilter + BiasAddGrad) "
+                f"apart, so their gradients sum in another order than without tfmemopt"]
 
     def _order_guard_lines(self):
         og = self.order_guard
