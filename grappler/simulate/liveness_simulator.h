@@ -101,8 +101,8 @@ struct SimulationResult {
 // Which of the expensive successors that a finished kernel makes ready at once TF's
 // executor runs inline (the others go to the inter-op pool). TF takes the one its
 // out-edge list holds last; that list's order is not fixed by the graph (an EdgeSet
-// past four edges is ordered by the edges' addresses), so it can differ from one
-// machine or process to another.
+// past eight edges, kInline in edgeset.h, is ordered by the edges' addresses), so it
+// can differ from one machine or process to another.
 enum class InlineChoice {
   kNearestUpdate,  // nearest to a variable update, then the largest output (what
                    // was measured on ResNet50 and the MLP; the default)
