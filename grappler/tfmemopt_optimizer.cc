@@ -568,7 +568,9 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   status = stages->Run("merge", [&] {
     if (!report->graph_changed) return absl::OkStatus();
     const bool fitted = after_built && fits_budgets();
-    tensorflow::GraphDef unguarded = *output;
+    // Only a plan that fitted may be given back unguarded.
+    tensorflow::GraphDef unguarded;
+    if (fitted) unguarded = *output;
     MergeGuardResult result;
     absl::Status s = KeepOneDnnMerges(item.graph, output, &result);
     if (!s.ok()) return s;

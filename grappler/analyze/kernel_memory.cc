@@ -419,6 +419,7 @@ void EstimateKernelScratch(const GraphProperties& properties,
       for (const auto& function : library.function()) {
         if (function.signature().name() == node.def->attr().at("f").func().name()) {
           node.temp_bytes = XlaGroupedFilterGradScratch(properties, *table, node, function);
+          break;
         }
       }
     } else if ((op == "MaxPoolGrad" || op == "MaxPoolGradV2") && node.inputs.size() >= 3 &&

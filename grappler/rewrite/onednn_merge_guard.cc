@@ -117,6 +117,7 @@ class GraphIndex {
 struct MergePair {
   std::string first, second;
   bool first_feeds_second = false;
+  std::vector<std::string> control;  // the control inputs both have in the original
 };
 
 // The node whose output 0 is `second`'s input `slot`, if its op is one of `ops`.
@@ -161,8 +162,9 @@ std::vector<MergePair> MergeablePairs(const GraphDef& graph) {
     }
     if (first < 0) continue;
     if (feeds && index.consumers(first).size() != 1) continue;  // its one out-edge
-    if (ControlInputs(index.node(first)) != ControlInputs(node)) continue;
-    pairs.push_back({index.node(first).name(), node.name(), feeds});
+    std::vector<std::string> control = ControlInputs(node);
+    if (ControlInputs(index.node(first)) != control) continue;
+    pairs.push_back({index.node(first).name(), node.name(), feeds, std::move(control)});
   }
   return pairs;
 }
@@ -185,7 +187,6 @@ absl::Status KeepOneDnnMerges(const GraphDef& original, GraphDef* rewritten,
   const std::vector<MergePair> pairs = MergeablePairs(original);
   result->pairs = static_cast<int>(pairs.size());
   if (pairs.empty()) return absl::OkStatus();
-  GraphIndex before(original);
   // Rebuilt after an edit: edits change consumers and reachability.
   auto index = std::make_unique<GraphIndex>(*rewritten);
   bool stale = false;
@@ -195,8 +196,7 @@ absl::Status KeepOneDnnMerges(const GraphDef& original, GraphDef* rewritten,
     const GraphIndex& graph = *index;  // not used after an edit below
     const int a = graph.Find(pair.first), b = graph.Find(pair.second);
     if (a < 0 || b < 0) continue;
-    const std::vector<std::string> original_control =
-        ControlInputs(before.node(before.Find(pair.second)));
+    const std::vector<std::string>& original_control = pair.control;
     const std::vector<std::string> control_a = ControlInputs(graph.node(a));
     const std::vector<std::string> control_b = ControlInputs(graph.node(b));
     bool edited = false;
