@@ -188,7 +188,7 @@ const std::vector<std::string>& RecomputePolicyNames() {
 
 const std::vector<std::string>& FailStages() {
   static const auto* stages = new std::vector<std::string>{
-      "", "analyze", "simulate", "schedule", "plan", "rewrite", "order", "merge",
+      "", "analyze", "simulate", "schedule", "plan", "rewrite", "pace", "order", "merge",
       "verify", "report"};
   return *stages;
 }

@@ -16,6 +16,7 @@
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/plan/memory_planner.h"
 #include "grappler/plan/order_guard.h"
+#include "grappler/rewrite/loop_pacing.h"
 #include "grappler/rewrite/onednn_merge_guard.h"
 #include "grappler/plan/pin_order.h"
 #include "grappler/plan/schedule.h"
@@ -505,6 +506,19 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   report->graph_changed = !rewrite.recompute.cloned.empty() || !rewrite.swap.swapped.empty() ||
                           !rewrite.loop_swap.swapped.empty() || !schedule.edges.empty() ||
                           split.applied;
+
+  // Pace: a loop's values are computed about one iteration ahead at most, as the
+  // simulation assumes (rewrite/loop_pacing.h).
+  status = stages->Run("pace", [&] {
+    if (!report->graph_changed) return absl::OkStatus();
+    LoopPacingResult result;
+    absl::Status s = PaceLoops(table, output, &result);
+    if (!s.ok()) return s;
+    report->loop_pacing.values = result.values;
+    report->loop_pacing.edges = std::move(result.edges);
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
 
   // The rewritten graph analyzed afresh (its own shapes, its own order).
   // after_table points into `rewritten`, so both live to the report stage.

@@ -183,7 +183,10 @@ for name in sys.argv[1:]:
     for n in graph.node:
         ops[n.op] = ops.get(n.op, 0) + 1
     members = control_flow_members(graph)
-    clones = [n for n in graph.node if n.name.startswith("TfMemOpt/")]
+    # What the plan added (the pace stage's Identities read a loop's Switch by design:
+    # docs/loops.md#pacing).
+    clones = [n for n in graph.node if n.name.startswith("TfMemOpt/")
+              and not n.name.startswith("TfMemOpt/LoopPace/")]
     prefix = "TfMemOpt/Recompute/"
     out[name] = {
         "base_losses": base_losses, "losses": losses,

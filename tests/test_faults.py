@@ -19,7 +19,7 @@ import pytest
 
 from conftest import run_python
 
-STAGES = ["analyze", "simulate", "schedule", "plan", "rewrite", "order", "merge", "verify",
+STAGES = ["analyze", "simulate", "schedule", "plan", "rewrite", "pace", "order", "merge", "verify",
           "report"]
 
 SCRIPT = r'''

@@ -233,6 +233,8 @@ std::string MemoryReport::ToJson() const {
       << ",\"edges_removed\":" << onednn_merges.edges_removed
       << ",\"edges_moved\":" << onednn_merges.edges_moved
       << ",\"unmerged\":" << QuotedList(onednn_merges.unmerged)
+      << "},\"loop_pacing\":{\"values\":" << loop_pacing.values
+      << ",\"edges\":" << EdgesJson(loop_pacing.edges)
       << "},\"loops\":[";
   for (size_t i = 0; i < loops.size(); ++i) {
     const LoopReport& loop = loops[i];

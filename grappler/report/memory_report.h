@@ -191,6 +191,12 @@ struct MergeGuardReport {
   std::vector<std::string> unmerged;
 };
 
+// What the pace stage did to a loop's running sums (rewrite/loop_pacing.h).
+struct LoopPacingReport {
+  int values = 0;  // carried values that some producer now waits for
+  std::vector<std::pair<std::string, std::string>> edges;  // (waited for, waiting)
+};
+
 struct MemoryReport {
   std::string graph_id;
   std::string status = "ok";  // "ok" | "fallback"
@@ -216,6 +222,7 @@ struct MemoryReport {
   PlanChoiceReport plan_choice;
   OrderGuardReport order_guard;
   MergeGuardReport onednn_merges;
+  LoopPacingReport loop_pacing;
   std::vector<LoopReport> loops;
   int loop_swap_nodes = 0;  // nodes the loop swap added (swap-outs, swap-ins, triggers)
   // Timelines of the final graph and of the original one: per device, transient

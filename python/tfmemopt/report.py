@@ -91,6 +91,11 @@ class Report:
     edges that break them, which it then keeps: those pairs' gradients sum in another
     order), pairs, edges_shared, edges_removed, edges_moved, and unmerged, the pairs a
     swap or a clone reading the first node leaves unmerged),
+    loop_pacing (values a loop would compute up to parallel_iterations iterations ahead
+    of the carried value they are combined with, such as a recurrent layer's input
+    projection and the terms of its weight gradients' sums, made to wait for that value:
+    values (the carried values waited for) and edges as [waited for, waiting] node
+    names; see docs/loops.md),
     loops (per while-loop: its trip count, the TensorLists it fills, which of them were
     moved to host memory as they fill, with bytes and predicted copy time, and
     left_alone, why not; see docs/loops.md), stage_seconds, total_seconds.
@@ -136,6 +141,7 @@ class Report:
         self.schedule = data.get("schedule", {})
         self.order_guard = data.get("order_guard", {})
         self.onednn_merges = data.get("onednn_merges", {})
+        self.loop_pacing = data.get("loop_pacing", {})
         self.split = data.get("split", {})
         # Per while-loop: frame, backward, trip_count (+ trip_count_source),
         # parallel_iterations, left_alone (why nothing of it moved) and lists: the
@@ -271,6 +277,7 @@ class Report:
         lines.extend(self._schedule_lines())
         lines.extend(self._order_guard_lines())
         lines.extend(self._merge_lines())
+        lines.extend(self._pacing_lines())
         lines.extend(self._split_lines())
         lines.extend(self._recompute_lines())
         lines.extend(self._swap_lines())
@@ -297,6 +304,14 @@ class Report:
         if len(sc.get("edges", [])) > 5:
             lines.append("    ...")
         return lines
+
+    def _pacing_lines(self):
+        edges = self.loop_pacing.get("edges", [])
+        if not edges:
+            return []
+        return [f"  loops: {len(edges)} ops wait for the carried value they are combined with "
+                f"({self.loop_pacing['values']} values), so that their results do not pile up "
+                f"iterations ahead"]
 
     def _merge_lines(self):
         merges = self.onednn_merges
