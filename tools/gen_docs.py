@@ -88,8 +88,9 @@ def v1_graphs(record):
 
 def _accuracy_row(name, m):
     u, p = m.get("unplanned", {}), m.get("planned", {})
+    fits = {True: "yes", False: "no"}.get(p.get("fits"), "—") if p else "—"
     return [name, mib(u.get("predicted")), mib(u.get("measured")), pct(u.get("error")),
-            mib(p.get("budget")) if p else "—", mib(p.get("predicted")),
+            mib(p.get("budget")) if p else "—", fits, mib(p.get("predicted")),
             mib(p.get("measured")), pct(p.get("error"))]
 
 
@@ -101,8 +102,8 @@ def peak_accuracy(record):
     for name, settings in r.get("apart", {}).items():
         for setting, m in settings.items():
             rows.append(_accuracy_row(f"{name} ({setting.replace('_', ' ')})", m))
-    header = ["model", "predicted", "measured", "error", "planned: budget", "predicted",
-              "measured", "error"]
+    header = ["model", "predicted", "measured", "error", "planned: budget", "says it fits",
+              "predicted", "measured", "error"]
     return table(header, rows) + [
         "", f"Largest error with TF's default threads: unplanned "
             f"{pct(r.get('max_abs_error_unplanned'), False)}, planned "
