@@ -240,6 +240,10 @@ def test_timing_falls_back_to_smaller_sizes_each_below_the_last():
     # ResNet-50's search: 96 and 97 trained, 98 did not, and the timings at 97 and 96
     # both ran out of memory: the fall-back goes on below the search's trained sizes.
     assert timing_sizes(search([96, 97], [98, 192])) == [97, 96, 92, 87]
+    # compare()'s eight attempts reach 0.65x (ResNet-50's plain baseline trained two
+    # steps at 101 and ran out of memory when timed at 101, 100, 95 and 90).
+    assert timing_sizes(search([96, 97], [98, 192]), attempts=8) == [
+        97, 96, 92, 87, 82, 77, 72, 67]
     # A doubling search: the next trained size is far below; nearer sizes come first.
     assert timing_sizes(search([10, 20, 40], [80])) == [40, 38, 36, 34]
     assert timing_sizes(search([], [4])) == []

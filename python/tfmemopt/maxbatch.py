@@ -738,14 +738,17 @@ def timing_sizes(search, attempts=4):
 
 
 def compare(make_step, lo, hi, configs, baseline, cap_mb=None, steps=2, strategy="bisect",
-            step_kwargs=None, rounds=5, grappler_log=False, progress=True, timed=None):
+            step_kwargs=None, rounds=5, grappler_log=False, progress=True, timed=None,
+            timing_attempts=8):
     """Searches the largest size of each configuration, then times them at the
     baseline configuration's largest size, interleaved (time_interleaved).
 
     configs: {name: {"fields": dict or None, "memory_optimization": str or None}} as
     for time_interleaved; baseline: one of its names; timed: the names timed against
     it (default: all). Searches stop at the first TrialError (Comparison.error says
-    which); then nothing is timed.
+    which); then nothing is timed. timing_attempts: how many sizes the timing tries
+    (timing_sizes; 8 goes down to 0.65x the baseline's largest, since near the cap plain
+    TF can train two steps of a batch and not ten of one 10 % smaller).
     """
     if baseline not in configs:
         raise ValueError(f"tfmemopt: baseline={baseline!r}; allowed: one of "
@@ -772,7 +775,7 @@ def compare(make_step, lo, hi, configs, baseline, cap_mb=None, steps=2, strategy
     # steps, a timing a dozen), so the baseline's largest size may run out of memory
     # when timed; then smaller sizes are timed instead (timing_sizes; Comparison.size
     # says which, notes say why).
-    sizes = timing_sizes(out.searches[baseline])
+    sizes = timing_sizes(out.searches[baseline], attempts=timing_attempts)
     if not sizes or len(timed) < 2:
         return out
     for size in sizes:
