@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(1)
 import tfmemopt
+from tfmemopt.demo import keras_train_step
 
 B, T, F, U = 64, 40, 64, 128
 rng = np.random.default_rng(0)
@@ -34,26 +35,12 @@ X = tf.constant(rng.standard_normal((B, T, F), dtype=np.float32))
 Y = tf.constant(rng.integers(0, 10, size=(B,), dtype=np.int32))
 XENT = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-
-def build():
-    tf.keras.utils.set_random_seed(0)
-    model = tf.keras.Sequential([tf.keras.Input((T, F)), tf.keras.layers.LSTM(U),
-                                 tf.keras.layers.Dense(10)])
-    opt = tf.keras.optimizers.Adam()
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = XENT(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    return model, step
-
+tf.keras.utils.set_random_seed(0)
+model = tf.keras.Sequential([tf.keras.Input((T, F)), tf.keras.layers.LSTM(U),
+                             tf.keras.layers.Dense(10)])
+step = keras_train_step(model, XENT)
 
 out = {}
-model, step = build()
 if sys.argv[1] == "planned":
     before = tfmemopt.analyze(step, X, Y, mode="ANALYZE_ONLY").predicted_peak_bytes["before"]["CPU:0"]
     tfmemopt.clear_reports()

@@ -153,6 +153,14 @@ struct TensorTable {
   std::string TensorName(int tensor) const;
 };
 
+// The loop (index into TensorTable::loops.loops) `node` runs in, -1 outside every
+// loop (for a nested loop, the innermost). Nodes the loop analysis did not see
+// (added after it) count as outside.
+inline int LoopOf(const TensorTable& table, int node) {
+  const std::vector<int>& loop_of = table.loops.loop_of_node;
+  return node < static_cast<int>(loop_of.size()) ? loop_of[node] : -1;
+}
+
 // The input port whose buffer output `port` of `node` hands out instead of
 // allocating one (Identity, Reshape, ReadVariableOp, loop plumbing...), or -1.
 int ForwardedInput(const tensorflow::NodeDef& node, int port);

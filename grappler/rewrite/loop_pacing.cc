@@ -16,17 +16,6 @@ namespace {
 
 using tensorflow::NodeDef;
 
-int LoopOf(const TensorTable& table, int node) {
-  const std::vector<int>& loop_of = table.loops.loop_of_node;
-  return node < static_cast<int>(loop_of.size()) ? loop_of[node] : -1;
-}
-
-bool IsControlFlow(const NodeDef& node) {
-  namespace g = tensorflow::grappler;
-  return g::IsEnter(node) || g::IsExit(node) || g::IsMerge(node) || g::IsSwitch(node) ||
-         g::IsNextIteration(node) || node.op() == "LoopCond";
-}
-
 // The node that computes tensor `t`, looking through Identities.
 int ProducerThroughIdentities(const TensorTable& table, int t) {
   int node = table.tensors[t].node;
@@ -56,15 +45,6 @@ absl::flat_hash_set<int> SameIterationAncestors(const TensorTable& table, int lo
   return seen;
 }
 
-// Whether `node` waits on its loop's predicate: it has a Switch of `loop` among its
-// same-iteration ancestors, so it is dead when the loop exits.
-bool WaitsOnPredicate(const TensorTable& table, int loop, int node) {
-  for (int m : SameIterationAncestors(table, loop, node)) {
-    if (tensorflow::grappler::IsSwitch(*table.nodes[m].def)) return true;
-  }
-  return false;
-}
-
 // Whether `sw` (a node of `loop`) is the Switch of a value the loop carries from one
 // iteration to the next that its compute produces: a Merge of the loop at input 0, a
 // NextIteration among the Merge's inputs, and a float type (not the counter, a
@@ -82,19 +62,17 @@ bool IsCarriedValueSwitch(const TensorTable& table, int loop, int sw) {
   return carried && tensorflow::DataTypeIsFloating(table.tensors[s.outputs[1]].dtype);
 }
 
-// The carried values (their Switches, sorted) that `node` reads within one iteration.
-std::vector<int> CarriedValuesRead(const TensorTable& table, int loop, int node) {
-  std::vector<int> switches;
-  for (int m : SameIterationAncestors(table, loop, node)) {
-    if (IsCarriedValueSwitch(table, loop, m)) switches.push_back(m);
-  }
-  std::sort(switches.begin(), switches.end());
-  return switches;
-}
-
 // Adds the pacing edges of one graph: which producer waits for which carried value.
 class LoopPacer {
  public:
+  // What one walk over a node's same-iteration ancestors tells.
+  struct NodeFacts {
+    std::vector<int> carried;  // the carried values it reads (their Switches, sorted)
+    // It has a Switch of its loop among its ancestors, so it is dead when the loop
+    // exits.
+    bool waits_on_predicate = false;
+  };
+
   LoopPacer(const TensorTable& table, tensorflow::GraphDef* graph, LoopPacingResult* result)
       : table_(table), graph_(graph), result_(result) {
     for (int i = 0; i < graph->node_size(); ++i) index_[graph->node(i).name()] = i;
@@ -102,27 +80,29 @@ class LoopPacer {
 
   // Whether `p` may be given a pacing edge in `loop`: a node of the loop the output
   // still has, not control flow, not Const, not stateful, dead when the loop exits;
-  // not a TensorList op either, which hands out an element the list holds (no new
-  // memory: a swapped list's copies are paced by the loop swap).
-  bool MayWait(int loop, int p) const {
+  // not a TensorList op either: a swapped list's copies are paced by the loop swap,
+  // and pacing pops made TF's own passes drop the pacing Identity when they optimized
+  // the output again (test_generated_graphs' second pass). A pop of an element never
+  // set allocates zeros, so such pops still run ahead.
+  bool MayWait(int loop, int p) {
     const NodeInfo& producer = table_.nodes[p];
-    return LoopOf(table_, p) == loop && !IsControlFlow(*producer.def) && !producer.stateful &&
-           producer.def->op() != "Const" && !absl::StartsWith(producer.def->op(), "TensorList") &&
-           index_.contains(producer.def->name()) && WaitsOnPredicate(table_, loop, p);
+    const std::string& op = producer.def->op();
+    return LoopOf(table_, p) == loop && !tensorflow::grappler::IsControlFlow(*producer.def) &&
+           !producer.stateful && op != "Const" && !absl::StartsWith(op, "TensorList") &&
+           index_.contains(producer.def->name()) && FactsOf(loop, p).waits_on_predicate;
   }
 
   // Makes `p` wait for the read of the carried value of Switch `sw`, unless `p`
   // already reads that value within the iteration, or the Switch waits for `p`
   // (a cycle). Returns whether `p` now waits (or already waited) for it.
   bool Wait(int loop, int p, int sw) {
-    const std::vector<int>& own = CarriedBy(loop, p);
+    const std::vector<int>& own = FactsOf(loop, p).carried;
     if (std::binary_search(own.begin(), own.end(), sw) ||
         SameIterationAncestors(table_, loop, sw).contains(p)) {
       return false;
     }
     const std::string read = ReadOf(sw);
     const std::string& name = table_.nodes[p].def->name();
-    if (!added_.emplace(read, name).second) return true;
     NodeDef* waiting = graph_->mutable_node(index_.at(name));
     const std::string control = absl::StrCat("^", read);
     for (const std::string& input : waiting->input()) {
@@ -134,13 +114,16 @@ class LoopPacer {
     return true;
   }
 
-  // The carried values (their Switches, sorted) `node` reads within an iteration.
-  const std::vector<int>& CarriedBy(int loop, int node) {
-    auto it = carried_.find(node);
-    if (it == carried_.end()) {
-      it = carried_.emplace(node, CarriedValuesRead(table_, loop, node)).first;
+  const NodeFacts& FactsOf(int loop, int node) {  // memoized
+    auto it = facts_.find(node);
+    if (it != facts_.end()) return it->second;
+    NodeFacts facts;
+    for (int m : SameIterationAncestors(table_, loop, node)) {
+      facts.waits_on_predicate |= tensorflow::grappler::IsSwitch(*table_.nodes[m].def);
+      if (IsCarriedValueSwitch(table_, loop, m)) facts.carried.push_back(m);
     }
-    return it->second;
+    std::sort(facts.carried.begin(), facts.carried.end());
+    return facts_.emplace(node, std::move(facts)).first->second;
   }
 
   int values_waited_for() const { return static_cast<int>(waited_for_.size()); }
@@ -182,9 +165,8 @@ class LoopPacer {
   tensorflow::GraphDef* graph_;
   LoopPacingResult* result_;
   absl::flat_hash_map<std::string, int> index_;
-  absl::flat_hash_map<int, std::vector<int>> carried_;
+  absl::flat_hash_map<int, NodeFacts> facts_;
   absl::flat_hash_map<int, std::string> reads_;
-  std::set<std::pair<std::string, std::string>> added_;
   std::set<int> waited_for_;
 };
 
@@ -203,11 +185,11 @@ absl::Status PaceLoops(const TensorTable& table, tensorflow::GraphDef* graph,
   for (int c = 0; c < n; ++c) {
     const int loop = LoopOf(table, c);
     const NodeInfo& consumer = table.nodes[c];
-    if (loop < 0 || loops[loop].parallel_iterations <= 1 || IsControlFlow(*consumer.def) ||
-        consumer.inputs.size() < 2) {
+    if (loop < 0 || loops[loop].parallel_iterations <= 1 ||
+        g::IsControlFlow(*consumer.def) || consumer.inputs.size() < 2) {
       continue;
     }
-    const std::vector<int> needed = pacer.CarriedBy(loop, c);
+    const std::vector<int> needed = pacer.FactsOf(loop, c).carried;
     for (int t : consumer.inputs) {
       const int p = ProducerThroughIdentities(table, t);
       if (!pacer.MayWait(loop, p)) continue;
@@ -223,22 +205,25 @@ absl::Status PaceLoops(const TensorTable& table, tensorflow::GraphDef* graph,
   // about two iterations ahead of another (a recurrent gradient ahead of its
   // weight-gradient sums keeps each iteration's gradient of the state, which the
   // sums' terms read, on the device).
-  for (int l = 0; l < static_cast<int>(loops.size()); ++l) {
-    if (loops[l].parallel_iterations <= 1) continue;
-    std::vector<std::pair<int, int>> values;  // (Switch, producer of the next value)
-    for (int sw = 0; sw < n; ++sw) {
-      if (LoopOf(table, sw) != l || !IsCarriedValueSwitch(table, l, sw)) continue;
-      const int merge = table.tensors[table.nodes[sw].inputs[0]].node;
-      for (int t : table.nodes[merge].inputs) {
-        const NodeInfo& next = table.nodes[table.tensors[t].node];
-        if (!g::IsNextIteration(*next.def) || next.inputs.size() != 1) continue;
-        const int p = ProducerThroughIdentities(table, next.inputs[0]);
-        if (pacer.MayWait(l, p)) values.emplace_back(sw, p);
-      }
+  // (Switch, producer of the next value) of each loop's carried values.
+  std::vector<std::vector<std::pair<int, int>>> values(loops.size());
+  for (int sw = 0; sw < n; ++sw) {
+    const int l = LoopOf(table, sw);
+    if (l < 0 || loops[l].parallel_iterations <= 1 || !IsCarriedValueSwitch(table, l, sw)) {
+      continue;
     }
-    for (size_t v = 1; v < values.size(); ++v) {
-      pacer.Wait(l, values[v].second, values[0].first);
-      pacer.Wait(l, values[0].second, values[v].first);
+    const int merge = table.tensors[table.nodes[sw].inputs[0]].node;
+    for (int t : table.nodes[merge].inputs) {
+      const NodeInfo& next = table.nodes[table.tensors[t].node];
+      if (!g::IsNextIteration(*next.def) || next.inputs.size() != 1) continue;
+      const int p = ProducerThroughIdentities(table, next.inputs[0]);
+      if (pacer.MayWait(l, p)) values[l].emplace_back(sw, p);
+    }
+  }
+  for (int l = 0; l < static_cast<int>(loops.size()); ++l) {
+    for (size_t v = 1; v < values[l].size(); ++v) {
+      pacer.Wait(l, values[l][v].second, values[l][0].first);
+      pacer.Wait(l, values[l][0].second, values[l][v].first);
     }
   }
   result->values = pacer.values_waited_for();

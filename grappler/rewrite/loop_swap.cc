@@ -30,11 +30,6 @@ bool IsAddNOfThree(const NodeInfo& node) {
   return node.def->op() == "AddN" && node.inputs.size() >= 3;
 }
 
-int LoopOf(const TensorTable& table, int node) {
-  const std::vector<int>& loop_of = table.loops.loop_of_node;
-  return node < static_cast<int>(loop_of.size()) ? loop_of[node] : -1;
-}
-
 std::vector<int> TensorsOfBuffer(const TensorTable& table, int buffer) {
   std::vector<int> tensors;
   for (size_t t = 0; t < table.tensors.size(); ++t) {
