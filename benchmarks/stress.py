@@ -86,6 +86,8 @@ def main(argv=None):
             counts["split_cases"] += split_case
             counts["rewritten"] += bool(result.get("rewritten"))
             counts["split"] += bool(result.get("split"))
+            # TF's own two plain runs differed; compared within their spread.
+            counts["tf_not_repeatable"] += "tf_not_repeatable" in result.get("details", {})
             outcome = result["outcome"]
             if outcome != "ok":
                 counts[OUTCOME_KEYS[outcome]] += 1
@@ -102,7 +104,7 @@ def main(argv=None):
     summary = {"cases": counts["cases"], "mismatches": counts["mismatches"],
                "invalid_graphs": counts["invalid_graphs"], "crashes": counts["crashes"]}
     for key in ("crashes_without_tfmemopt", "violations", "fallbacks", "generator_errors",
-                "errors", "rewritten", "split_cases", "split"):
+                "errors", "rewritten", "split_cases", "split", "tf_not_repeatable"):
         summary[key] = counts[key]
     summary["seconds"] = round(time.time() - start, 1)
     text = ", ".join(f"{k} {v}" for k, v in summary.items())
@@ -111,7 +113,7 @@ def main(argv=None):
         print(json.dumps(summary))
     failed = sum(summary[k] for k in summary
                  if k not in ("cases", "rewritten", "split_cases", "split", "seconds",
-                              "crashes_without_tfmemopt"))
+                              "crashes_without_tfmemopt", "tf_not_repeatable"))
     return 1 if failed else 0
 
 
