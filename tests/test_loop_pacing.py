@@ -93,8 +93,14 @@ def test_values_that_run_ahead_wait_for_the_carried_value(runs):
     # The gradient loop's weight-gradient terms, MatMul(x_t, dz_t) and MatMul(h, dz_t),
     # each added to its running sum.
     terms = [w for w in waiting if "while_grad" in w and op_name(w) == "MatMul_1"]
+    # The gradient loop's read of the outputs' gradient list: the LSTM returns its last
+    # output only, so no other element of that list is ever set, and each such read
+    # allocates a new [B, U] of zeros.
+    reads = [w for w in waiting
+             if "while_grad" in w and w.endswith("TensorListSetItem_grad/TensorListGetItem")]
     assert len(forward) == 1, waiting
     assert len(terms) == 2, waiting
+    assert len(reads) == 1, waiting
     for waited_for, _ in pacing["edges"]:
         assert waited_for.startswith("TfMemOpt/LoopPace/") or "/while" in waited_for, waited_for
     assert pacing["values"] >= 3, pacing  # the state h, the two sums

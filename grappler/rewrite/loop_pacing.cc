@@ -75,20 +75,30 @@ class LoopPacer {
 
   LoopPacer(const TensorTable& table, tensorflow::GraphDef* graph, LoopPacingResult* result)
       : table_(table), graph_(graph), result_(result) {
-    for (int i = 0; i < graph->node_size(); ++i) index_[graph->node(i).name()] = i;
+    for (int i = 0; i < graph->node_size(); ++i) {
+      const NodeDef& node = graph->node(i);
+      index_[node.name()] = i;
+      if (node.op() == "Identity" && node.input_size() == 1) {
+        auto [it, inserted] = identity_of_.emplace(node.input(0), node.name());
+        if (!inserted && node.name() < it->second) it->second = node.name();
+      }
+    }
   }
 
   // Whether `p` may be given a pacing edge in `loop`: a node of the loop the output
   // still has, not control flow, not Const, not stateful, dead when the loop exits;
-  // not a TensorList op either: a swapped list's copies are paced by the loop swap,
-  // and pacing pops made TF's own passes drop the pacing Identity when they optimized
-  // the output again (test_generated_graphs' second pass). A pop of an element never
-  // set allocates zeros, so such pops still run ahead.
+  // a TensorList op only when it reads one element (PopBack, GetItem): the others
+  // pass the list itself along and allocate nothing per element, and a swapped list's
+  // copies are paced by the loop swap. A read of an element never set allocates
+  // zeros (a gradient loop's lists of gradients nothing wrote), so unpaced such
+  // reads run ahead with their memory.
   bool MayWait(int loop, int p) {
     const NodeInfo& producer = table_.nodes[p];
     const std::string& op = producer.def->op();
     return LoopOf(table_, p) == loop && !tensorflow::grappler::IsControlFlow(*producer.def) &&
-           !producer.stateful && op != "Const" && !absl::StartsWith(op, "TensorList") &&
+           !producer.stateful && op != "Const" &&
+           (!absl::StartsWith(op, "TensorList") || op == "TensorListPopBack" ||
+            op == "TensorListGetItem") &&
            index_.contains(producer.def->name()) && FactsOf(loop, p).waits_on_predicate;
   }
 
@@ -130,21 +140,18 @@ class LoopPacer {
 
  private:
   // What a node waits for to start once its iteration has the carried value of a
-  // Switch: an Identity reading the Switch's port 1 (the lowering's), or a new one
-  // (a control edge from the Switch itself would be live when the loop exits).
+  // Switch: an Identity reading the Switch's port 1 already in the graph (the
+  // lowering's, or the loop swap's trigger), or a new one (a control edge from the
+  // Switch itself would be live when the loop exits). A second Identity of the same
+  // port would be merged into the first by TF's common-subexpression elimination
+  // when the meta-optimizer runs again, moving our edges onto a node we did not name.
   std::string ReadOf(int sw) {
     auto it = reads_.find(sw);
     if (it != reads_.end()) return it->second;
-    std::string read;
-    for (int c : table_.tensors[table_.nodes[sw].outputs[1]].consumers) {
-      const NodeDef& def = *table_.nodes[c].def;
-      if (def.op() == "Identity" && index_.contains(def.name()) &&
-          (read.empty() || def.name() < read)) {
-        read = def.name();
-      }
-    }
+    const NodeDef& sw_def = *table_.nodes[sw].def;
+    auto existing = identity_of_.find(absl::StrCat(sw_def.name(), ":1"));
+    std::string read = existing == identity_of_.end() ? "" : existing->second;
     if (read.empty()) {
-      const NodeDef& sw_def = *table_.nodes[sw].def;
       read = absl::StrCat(kLoopPaceScope, sw_def.name());
       if (!index_.contains(read)) {
         NodeDef* identity = graph_->add_node();
@@ -165,6 +172,8 @@ class LoopPacer {
   tensorflow::GraphDef* graph_;
   LoopPacingResult* result_;
   absl::flat_hash_map<std::string, int> index_;
+  // The Identity (least name) reading each tensor and nothing else, by tensor name.
+  absl::flat_hash_map<std::string, std::string> identity_of_;
   absl::flat_hash_map<int, NodeFacts> facts_;
   absl::flat_hash_map<int, std::string> reads_;
   std::set<int> waited_for_;

@@ -19,7 +19,8 @@
 //
 // PaceLoops makes each such producer wait (a control edge) for the body's read of the
 // carried value its consumer combines it with: an Identity of that value's Switch
-// (port 1), the lowering's or TfMemOpt/LoopPace/<Switch>. Iteration i's value is then
+// (port 1) already in the graph (the lowering's, the loop swap's) or
+// TfMemOpt/LoopPace/<Switch>. Iteration i's value is then
 // computed once iteration i-1 has produced the slower one, so about one iteration's
 // values are live, as the simulation assumes. Only the start times of kernels change:
 // every op reads the same inputs and runs the same kernel, so the results are bitwise
@@ -28,7 +29,7 @@
 // Rule, in a loop frame with parallel_iterations > 1: for a node C of the body
 // (not control flow) with two or more inputs, and each input's producer P (through
 // Identities; a node of the same frame, not control flow, not Const, not stateful,
-// not a TensorList op, that already waits on the loop's predicate, so it is dead when
+// a TensorList op only to read one element, that already waits on the loop's predicate, so it is dead when
 // the loop exits as its new control input is): if C reads, within the iteration, a carried float value
 // V (a Merge with a NextIteration input, through its Switch; the counter, lists and
 // resources run ahead by design and are not waited for) that P does not read, and
