@@ -551,11 +551,12 @@ def first_difference(base, mine, reference=None):
 # When TF does not repeat itself. With one inter-op thread TF usually computes a step
 # bit for bit the same way twice, but not always: two plain trainings of
 # TF_NOT_REPEATABLE's dense model (tests/test_generated_graphs.py: a logsumexp
-# reduction, stateless dropout, momentum) in one process differ in the last bits in about one run of four, with oneDNN on or off.
-# A difference between the pass's result and the plain one then proves nothing by
-# itself. The case trains again with the pass and without (REPEAT_ROUNDS): if a run
-# with the pass equals a run without, it passes; if TF's two runs of one graph
-# differ, each result may differ from the other graph's by at most
+# reduction, stateless dropout, momentum) in one process differ in the last bits in
+# about one run of four, with oneDNN on or off. A difference between the pass's result
+# and the plain one then proves nothing by itself. The case trains again with the pass
+# and without (REPEAT_ROUNDS): if a run with the pass equals a run without, it passes;
+# if TF's two runs of one graph differ, each result may differ from the other graph's by
+# at most
 #     REPEAT_ERROR_FACTOR * (TF's own difference + FLOAT32_EPSILON * its norm)
 # (norms of the differences): TF's rounding noise, not a wrong tensor, which errs by
 # orders of magnitude more. A case where TF repeats itself is still compared bit for bit.

@@ -26,14 +26,15 @@
 // every op reads the same inputs and runs the same kernel, so the results are bitwise
 // those of the original.
 //
-// Rule, in a loop frame with parallel_iterations > 1: for a node C of the body
-// (not control flow) with two or more inputs, and each input's producer P (through
-// Identities; a node of the same frame, not control flow, not Const, not stateful,
-// a TensorList op only to read one element, that already waits on the loop's predicate, so it is dead when
-// the loop exits as its new control input is): if C reads, within the iteration, a carried float value
-// V (a Merge with a NextIteration input, through its Switch; the counter, lists and
-// resources run ahead by design and are not waited for) that P does not read, and
-// V's Switch does not wait for P (which would close a cycle), P waits for V's read.
+// Rule, in a loop frame with parallel_iterations > 1: for a node C of the body (not
+// control flow) with two or more inputs, and each input's producer P (through
+// Identities; a node of the same frame, not control flow, not Const, not stateful, a
+// TensorList op only to read one element, that already waits on the loop's predicate,
+// so it is dead when the loop exits as its new control input is): if C reads, within
+// the iteration, a carried float value V (a Merge with a NextIteration input, through
+// its Switch; the counter, lists and resources run ahead by design and are not waited
+// for) that P does not read, and V's Switch does not wait for P (which would close a
+// cycle), P waits for V's read.
 
 #ifndef TFMEMOPT_GRAPPLER_REWRITE_LOOP_PACING_H_
 #define TFMEMOPT_GRAPPLER_REWRITE_LOOP_PACING_H_
