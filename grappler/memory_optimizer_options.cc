@@ -230,6 +230,7 @@ const std::vector<OptionField>& Fields() {
       IntField<int>("swapin_lag_ops", "int32", &O::swapin_lag_ops, 0, INT32_MAX),
       BoolField("fuse_swapins", &O::fuse_swapins),
       IntField<int64_t>("assume_trip_count", "int64", &O::assume_trip_count, 0, INT64_MAX),
+      BoolField("pace_loops", &O::pace_loops),
       ChoiceField(
           "test_only_fail_stage", "string", FailStages(),
           [](O* o, int i) { o->test_only_fail_stage = FailStages()[i]; },

@@ -61,6 +61,8 @@ struct MemoryOptimizerOptions {
   // Stand-in for the trip count of a loop whose condition does not give it; 0
   // leaves such loops unsized.
   int64_t assume_trip_count = 0;
+  // Keep loops in step when the graph changes (rewrite/loop_pacing.h).
+  bool pace_loops = true;
   // Test-only: name of the stage that must fail ("" = none).
   std::string test_only_fail_stage;
 };

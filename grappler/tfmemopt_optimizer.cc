@@ -510,7 +510,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   // Pace: a loop's values are computed about one iteration ahead at most, as the
   // simulation assumes (rewrite/loop_pacing.h).
   status = stages->Run("pace", [&] {
-    if (!report->graph_changed) return absl::OkStatus();
+    if (!report->graph_changed || !options.pace_loops) return absl::OkStatus();
     LoopPacingResult result;
     absl::Status s = PaceLoops(table, output, &result);
     if (!s.ok()) return s;

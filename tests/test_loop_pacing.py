@@ -41,10 +41,11 @@ model = tf.keras.Sequential([tf.keras.Input((T, F)), tf.keras.layers.LSTM(U),
 step = keras_train_step(model, XENT)
 
 out = {}
-if sys.argv[1] == "planned":
+planned = sys.argv[1] in ("planned", "unpaced")
+if planned:
     before = tfmemopt.analyze(step, X, Y, mode="ANALYZE_ONLY").predicted_peak_bytes["before"]["CPU:0"]
     tfmemopt.clear_reports()
-    tfmemopt.enable(budget=before // 2, log_level=0)
+    tfmemopt.enable(budget=before // 2, log_level=0, pace_loops=sys.argv[1] == "planned")
 losses, peaks = [], []
 for _ in range(6):
     tf.config.experimental.reset_memory_stats("CPU:0")
@@ -54,7 +55,7 @@ digest = hashlib.sha256()
 for v in model.variables:
     digest.update(np.ascontiguousarray(v.numpy()).tobytes())
 out.update(losses=losses, peaks=peaks, weights=digest.hexdigest())
-if sys.argv[1] == "planned":
+if planned:
     report = max(tfmemopt.reports(), key=lambda r: r.num_nodes)
     out.update(changed=report.graph_changed, status=report.status,
                after=report.predicted_peak_bytes["after"]["CPU:0"],
@@ -75,7 +76,7 @@ def _run(mode):
 
 @pytest.fixture(scope="module")
 def runs():
-    return {"plain": _run("plain"), "planned": _run("planned")}
+    return {"plain": _run("plain"), "planned": _run("planned"), "unpaced": _run("unpaced")}
 
 
 def test_values_that_run_ahead_wait_for_the_carried_value(runs):
@@ -123,3 +124,13 @@ def test_paced_peak_is_the_predicted_peak(runs):
     planned = runs["planned"]
     assert statistics.median(planned["peaks"][1:]) <= 1.25 * planned["after"], (
         planned["peaks"], planned["after"])
+
+
+def test_pace_loops_false_leaves_the_loops_alone(runs):
+    """pace_loops=False: the same plan, no pacing edge, the same results."""
+    unpaced = runs["unpaced"]
+    assert unpaced["status"] == "ok" and unpaced["changed"]
+    assert unpaced["pacing"]["edges"] == [] and unpaced["pacing"]["values"] == 0
+    assert "ops wait for the carried value" not in unpaced["text"]
+    assert unpaced["losses"] == runs["plain"]["losses"]
+    assert unpaced["weights"] == runs["plain"]["weights"]

@@ -336,7 +336,29 @@ def fits_means_trains(record):
     return lines
 
 
+def loop_pacing(record):
+    """benchmarks/loop_pacing.py: a planned recurrent step with and without the pace
+    stage: step time and BFC peak."""
+    r = record["result"]
+    rows = []
+    for model, m in r.get("models", {}).items():
+        predicted = m.get("predicted_bytes")
+        cells = [model, mib(m.get("budget_bytes")), mib(predicted)]
+        for label in ("paced", "unpaced"):
+            t = m.get(label, {})
+            seconds, peak = t.get("median_seconds"), t.get("peak_bytes")
+            cells += [f"{seconds:.3f} s" if seconds else t.get("status", "—"),
+                      f"{mib(peak)} ({pct(peak / predicted - 1)})" if peak and predicted
+                      else "—"]
+        cells.append(pct(m.get("overhead")))
+        rows.append(cells)
+    return table(["model", "budget", "predicted", "paced: step", "paced: peak (vs predicted)",
+                  "not paced: step", "not paced: peak (vs predicted)",
+                  "step time of pacing"], rows)
+
+
 RENDERERS = {
+    ("loop_pacing", None): loop_pacing,
     ("plan_time", None): plan_time,
     ("v1_graphs", None): v1_graphs,
     ("peak_accuracy", None): peak_accuracy,
