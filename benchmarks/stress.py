@@ -86,7 +86,7 @@ def main(argv=None):
             counts["split_cases"] += split_case
             counts["rewritten"] += bool(result.get("rewritten"))
             counts["split"] += bool(result.get("split"))
-            # TF's own two plain runs differed; compared within their spread.
+            # TF did not repeat a step of this case (generated_graphs.REPEAT_ERROR_FACTOR).
             counts["tf_not_repeatable"] += "tf_not_repeatable" in result.get("details", {})
             outcome = result["outcome"]
             if outcome != "ok":
