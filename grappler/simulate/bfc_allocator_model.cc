@@ -30,9 +30,13 @@ bool BfcAllocatorModel::Extend(int64_t rounded) {
   const int64_t bytes = std::min(next_region_bytes_, available);
   if (!increased) next_region_bytes_ *= 2;
   // Regions are separate address ranges: a gap keeps chunks of two regions from
-  // ever coalescing, as in BFC without region coalescing.
+  // ever coalescing, as in BFC without region coalescing. Each new region lies
+  // below the previous ones: the CPU sub-allocator's posix_memalign serves these
+  // sizes with mmap, which Linux places top-down, and BFC breaks a tie between
+  // free chunks of one size by the lower address, so it fills the newest region
+  // first.
+  next_address_ -= bytes + kMinAllocationSize;
   const int64_t address = next_address_;
-  next_address_ += bytes + kMinAllocationSize;
   chunks_[address] = Chunk{bytes, next_region_++, false};
   free_.insert({bytes, address});
   pool_ += bytes;

@@ -59,7 +59,7 @@ class BfcAllocatorModel {
 
   int64_t memory_limit_;
   int64_t next_region_bytes_ = 2 << 20;
-  int64_t next_address_ = 0;
+  int64_t next_address_ = int64_t{1} << 56;  // regions are placed below it
   int next_region_ = 0;
   int64_t in_use_ = 0;
   int64_t peak_ = 0;
