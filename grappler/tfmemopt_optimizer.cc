@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "grappler/analyze/control_flow.h"
 #include "grappler/analyze/executed_nodes.h"
+#include "grappler/analyze/initial_values.h"
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/plan/memory_planner.h"
 #include "grappler/plan/order_guard.h"
@@ -698,6 +699,9 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
   *optimized_graph = item.graph;
   // The meta-optimizer's next iteration over a graph we rewrote: our nodes are in
   // it, the report of the rewrite stands, and nothing is added twice.
+  // An initializer's graph is seen before the step that updates its variables
+  // (analyze/initial_values.h); recorded on every call, whatever the pass does next.
+  RecordConstInitializedVariables(item.graph);
   Published& seen = published_[item.id];
   ++seen.calls;
   if (seen.calls < iterations_ && options_.mode != Mode::kAnalyzeOnly) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "grappler/analyze/function_bodies.h"
+#include "grappler/analyze/initial_values.h"
 #include "grappler/analyze/kernel_memory.h"
 #include "grappler/analyze/op_costs.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -307,6 +308,39 @@ void BindUpdatedVariables(TensorTable* table) {
       if (assign) break;  // only the first input is the variable
     }
     node.updates_variable = !node.updated_variables.empty();
+  }
+}
+
+// A variable the step updates whose initial value a Const of the initializer's
+// graph still holds (analyze/initial_values.h): after the first step the device
+// holds both, so the initial value is one more persistent buffer. Needs
+// BindUpdatedVariables.
+void AddHeldInitialValues(TensorTable* table) {
+  std::vector<bool> updated(table->tensors.size(), false);
+  for (const NodeInfo& node : table->nodes) {
+    for (int port : node.updated_variables) {
+      // The handle, through the Identities a Session graph may read it by.
+      int t = node.inputs[port];
+      for (int hops = 0; hops < 8; ++hops) {
+        const NodeInfo& producer = table->nodes[table->tensors[t].node];
+        if (producer.def->op() != "Identity" || producer.inputs.empty()) break;
+        t = producer.inputs[0];
+      }
+      updated[t] = true;
+    }
+  }
+  for (size_t t = 0; t < table->tensors.size(); ++t) {
+    if (!updated[t]) continue;
+    const TensorInfo& handle = table->tensors[t];
+    const int64_t bytes = HeldInitialValueBytes(*table->nodes[handle.node].def);
+    if (bytes <= 0 || handle.buffer < 0) continue;
+    BufferInfo held;
+    held.owner = static_cast<int>(t);
+    held.bytes = bytes;
+    held.persistent = true;
+    held.device = table->buffers[handle.buffer].device;
+    table->buffers.push_back(held);
+    ++table->held_initial_values;
   }
 }
 
@@ -762,6 +796,7 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
   }
   BindReusableInputs(table);
   BindUpdatedVariables(table);
+  AddHeldInitialValues(table);
   AddKernelBuffers(table);
   for (size_t t = 0; t < table->tensors.size(); ++t) {
     if (!table->tensors[t].size_known) {

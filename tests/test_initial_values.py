@@ -1,0 +1,61 @@
+"""A TF1 Session keeps a variable's Const initial value after the variable's first
+update (grappler/analyze/initial_values.h): the model counts it as persistent memory,
+and the count matches what TF's allocator holds between steps."""
+
+import json
+
+from conftest import run_python
+
+_SESSION = r"""
+import json
+import numpy as np
+import tensorflow as tf
+import tfmemopt
+from tfmemopt import _eager_context
+
+v1 = tf.compat.v1
+tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0)
+graph = tf.Graph()
+with graph.as_default():
+    x = v1.placeholder(tf.float32, [64, 1024], name="x")
+    w = v1.get_variable("w", [1024, 1024], initializer=v1.glorot_uniform_initializer(seed=0))
+    b = v1.get_variable("b", [1024], initializer=v1.zeros_initializer())
+    loss = tf.reduce_sum(tf.square(tf.matmul(x, w) + b))
+    train = v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+    init = v1.global_variables_initializer()
+config = v1.ConfigProto()
+config.graph_options.rewrite_options.CopyFrom(_eager_context.current_rewrite_options())
+session = v1.Session(graph=graph, config=config)
+in_use = lambda: tf.config.experimental.get_memory_info("CPU:0")["current"]
+session.run(init)
+after_init = in_use()
+feed = {x: np.ones((64, 1024), np.float32)}
+steps = []
+for _ in range(3):
+    session.run([loss, train], feed)
+    steps.append(in_use())
+report = max(tfmemopt.reports(), key=lambda r: r.num_nodes)
+print(json.dumps({"after_init": after_init, "after_steps": steps,
+                  "persistent": report.persistent_bytes["CPU:0"]}))
+"""
+
+KIB, MIB = 1 << 10, 1 << 20
+VARIABLES = 4 * MIB + 4 * KIB  # w [1024, 1024] and b [1024], float32
+SLOTS = 4 * MIB + 4 * KIB      # Momentum's accumulators, zeros-initialized
+ZERO_INITIALIZED = 4 * KIB + SLOTS  # b and the accumulators: a Const each
+
+
+def test_a_session_holds_const_initial_values_after_the_first_update_and_the_model_counts_them():
+    proc = run_python(_SESSION, env={"TF_CPU_ALLOCATOR_USE_BFC": "true",
+                                     "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
+                                     "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.splitlines()[-1])
+    # TF: the initializer leaves the variables; every step after the first update
+    # leaves, besides, the Consts that the zero-initialized ones shared a buffer
+    # with (and the step's own Consts, such as the folded gradient of the sum).
+    assert abs(r["after_init"] - (VARIABLES + SLOTS)) < 64 * KIB, r
+    assert min(r["after_steps"]) == max(r["after_steps"]), r
+    assert r["after_steps"][0] - r["after_init"] >= ZERO_INITIALIZED, r
+    # The model: the same bytes, as persistent memory of the training step.
+    assert abs(r["persistent"] - r["after_steps"][0]) < 64 * KIB, r
