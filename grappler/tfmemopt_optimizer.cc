@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grappler/analyze/control_flow.h"
@@ -230,6 +231,31 @@ MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
 }
 
 // Sets each device's budget; true if some device's peak before is over it.
+// The most bytes, per device of `table`, that the producers PaceLoops made wait
+// could hold by running ahead: each producer's outputs for every iteration its loop
+// may run at once beyond the one the simulation runs (parallel_iterations - 1).
+std::vector<int64_t> RunAheadBytes(const TensorTable& table, const LoopPacingResult& paced) {
+  std::vector<int64_t> bytes(table.devices.size(), 0);
+  absl::flat_hash_set<int> counted;
+  for (const auto& [waited_for, waiting] : paced.edges) {
+    auto it = table.node_index.find(waiting);
+    if (it == table.node_index.end() || !counted.insert(it->second).second) continue;
+    const int n = it->second;
+    const int loop = LoopOf(table, n);
+    if (loop < 0) continue;
+    const int64_t ahead = table.loops.loops[loop].parallel_iterations - 1;
+    auto device = std::lower_bound(table.devices.begin(), table.devices.end(),
+                                   table.nodes[n].device);
+    if (ahead <= 0 || device == table.devices.end() || *device != table.nodes[n].device) continue;
+    const int d = static_cast<int>(device - table.devices.begin());
+    for (int t : table.nodes[n].outputs) {
+      const BufferInfo& buffer = table.buffers[table.tensors[t].buffer];
+      if (buffer.owner == t && !buffer.persistent) bytes[d] += ahead * buffer.bytes;
+    }
+  }
+  return bytes;
+}
+
 bool SetBudgets(const MemoryOptimizerOptions& options, std::vector<DeviceReport>* devices) {
   bool over_budget = false;
   for (DeviceReport& device : *devices) {
@@ -508,19 +534,6 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
                           !rewrite.loop_swap.swapped.empty() || !schedule.edges.empty() ||
                           split.applied;
 
-  // Pace: a loop's values are computed about one iteration ahead at most, as the
-  // simulation assumes (rewrite/loop_pacing.h).
-  status = stages->Run("pace", [&] {
-    if (!report->graph_changed || !options.pace_loops) return absl::OkStatus();
-    LoopPacingResult result;
-    absl::Status s = PaceLoops(table, output, &result);
-    if (!s.ok()) return s;
-    report->loop_pacing.values = result.values;
-    report->loop_pacing.edges = std::move(result.edges);
-    return absl::OkStatus();
-  });
-  if (!status.ok()) return status;
-
   // The rewritten graph analyzed afresh (its own shapes, its own order).
   // after_table points into `rewritten`, so both live to the report stage.
   GrapplerItem rewritten;
@@ -539,6 +552,54 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     after_built = s.ok();
     return s;
   };
+
+  // Pace: a loop's values are computed about one iteration ahead at most, as the
+  // simulation assumes (rewrite/loop_pacing.h). A graph the plan changed is always
+  // paced. A graph the pass leaves as it is is paced only where the iterations its
+  // loops may run ahead could take it over a budget its prediction meets
+  // (RunAheadBytes), and only if that does not raise the prediction: the
+  // edges change when kernels start, never what they compute.
+  status = stages->Run("pace", [&] {
+    if (!options.pace_loops) return absl::OkStatus();
+    const bool unchanged = !report->graph_changed;
+    if (unchanged && (options.mode == Mode::kAnalyzeOnly || options.mode == Mode::kManual ||
+                      rewritten_before)) {
+      return absl::OkStatus();
+    }
+    tensorflow::GraphDef paced = *output;
+    LoopPacingResult result;
+    absl::Status s = PaceLoops(table, &paced, &result);
+    if (!s.ok() || result.edges.empty()) return s;
+    if (unchanged) {
+      const std::vector<int64_t> ahead = RunAheadBytes(table, result);
+      bool could_exceed = false;
+      for (size_t d = 0; d < devices.size() && d < ahead.size(); ++d) {
+        could_exceed |= devices[d].budget_bytes > 0 &&
+                        PredictedPeak(before.devices[d]) + ahead[d] > devices[d].budget_bytes;
+      }
+      if (!could_exceed) return absl::OkStatus();
+      const tensorflow::GraphDef original = *output;
+      *output = std::move(paced);
+      s = analyze_output();
+      if (!s.ok()) return s;
+      for (size_t d = 0; d < before.devices.size(); ++d) {
+        const int a = DeviceIndex(after, before.devices[d].device);
+        if (a < 0 || PredictedPeak(after.devices[a]) > PredictedPeak(before.devices[d])) {
+          *output = original;  // no worse than unpaced: left as it was
+          after_built = false;
+          return absl::OkStatus();
+        }
+      }
+      report->graph_changed = true;
+    } else {
+      *output = std::move(paced);
+    }
+    report->loop_pacing.values = result.values;
+    report->loop_pacing.edges = std::move(result.edges);
+    report->loop_pacing.unplanned = unchanged;
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
 
   // Order: the plan's peak must hold whichever ready kernel TF's executor takes
   // first (plan/order_guard.h).

@@ -235,6 +235,7 @@ std::string MemoryReport::ToJson() const {
       << ",\"unmerged\":" << QuotedList(onednn_merges.unmerged)
       << "},\"loop_pacing\":{\"values\":" << loop_pacing.values
       << ",\"edges\":" << EdgesJson(loop_pacing.edges)
+      << ",\"unplanned\":" << (loop_pacing.unplanned ? "true" : "false")
       << "},\"loops\":[";
   for (size_t i = 0; i < loops.size(); ++i) {
     const LoopReport& loop = loops[i];

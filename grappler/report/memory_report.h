@@ -195,6 +195,10 @@ struct MergeGuardReport {
 struct LoopPacingReport {
   int values = 0;  // carried values that some producer now waits for
   std::vector<std::pair<std::string, std::string>> edges;  // (waited for, waiting)
+  // Paced although nothing was planned: the graph fits its budget as predicted, but
+  // its loops' running ahead could take it over (the pace stage in
+  // tfmemopt_optimizer.cc).
+  bool unplanned = false;
 };
 
 struct MemoryReport {

@@ -94,8 +94,9 @@ class Report:
     loop_pacing (values a loop would compute up to parallel_iterations iterations ahead
     of the carried value they are combined with, such as a recurrent layer's input
     projection and the terms of its weight gradients' sums, made to wait for that value:
-    values (the carried values waited for) and edges as [waited for, waiting] node
-    names; see docs/loops.md),
+    values (the carried values waited for), edges as [waited for, waiting] node
+    names, and unplanned (true when nothing was planned: the graph fits its budget as
+    predicted, but its loops running ahead could take it over); see docs/loops.md),
     loops (per while-loop: its trip count, the TensorLists it fills, which of them were
     moved to host memory as they fill, with bytes and predicted copy time, and
     left_alone, why not; see docs/loops.md), stage_seconds, total_seconds.
@@ -309,9 +310,11 @@ class Report:
         edges = self.loop_pacing.get("edges", [])
         if not edges:
             return []
+        why = (" (nothing else planned: the graph fits, but iterations run ahead could "
+               "exceed the budget)" if self.loop_pacing.get("unplanned") else "")
         return [f"  loops: {len(edges)} ops wait for the carried value they are combined with "
                 f"({self.loop_pacing['values']} values), so that their results do not pile up "
-                f"iterations ahead"]
+                f"iterations ahead{why}"]
 
     def _merge_lines(self):
         merges = self.onednn_merges
