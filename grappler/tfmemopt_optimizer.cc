@@ -181,6 +181,25 @@ int DeviceIndex(const SimulationResult& simulation, const std::string& name) {
   return -1;
 }
 
+// OK when the rewritten graph (`after`) predicts no higher peak than the original
+// (`before`) on any of the original's devices; else what rose, and where.
+absl::Status PeakNotRaised(const SimulationResult& before, const SimulationResult& after) {
+  for (const DeviceTimeline& device : before.devices) {
+    const int a = DeviceIndex(after, device.device);
+    if (a < 0) {
+      return absl::InternalError(
+          absl::StrCat("the rewritten graph no longer uses ", device.device));
+    }
+    if (PredictedPeak(after.devices[a]) > PredictedPeak(device)) {
+      return absl::InternalError(absl::StrCat(
+          "the rewritten graph's predicted peak on ", device.device, " (",
+          FormatBytes(PredictedPeak(after.devices[a])), ") exceeds the original's (",
+          FormatBytes(PredictedPeak(device)), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 void FillSplitReport(const SplitOutcome& split, SplitReport* report) {
   report->planned = split.planned;
   report->applied = split.applied;
@@ -230,7 +249,6 @@ MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
   return planner;
 }
 
-// Sets each device's budget; true if some device's peak before is over it.
 // The most bytes, per device of `table`, that the producers PaceLoops made wait
 // could hold by running ahead: each producer's outputs for every iteration its loop
 // may run at once beyond the one the simulation runs (parallel_iterations - 1).
@@ -256,6 +274,7 @@ std::vector<int64_t> RunAheadBytes(const TensorTable& table, const LoopPacingRes
   return bytes;
 }
 
+// Sets each device's budget; true if some device's peak before is over it.
 bool SetBudgets(const MemoryOptimizerOptions& options, std::vector<DeviceReport>* devices) {
   bool over_budget = false;
   for (DeviceReport& device : *devices) {
@@ -582,13 +601,10 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       *output = std::move(paced);
       s = analyze_output();
       if (!s.ok()) return s;
-      for (size_t d = 0; d < before.devices.size(); ++d) {
-        const int a = DeviceIndex(after, before.devices[d].device);
-        if (a < 0 || PredictedPeak(after.devices[a]) > PredictedPeak(before.devices[d])) {
-          *output = original;  // no worse than unpaced: left as it was
-          after_built = false;
-          return absl::OkStatus();
-        }
+      if (!PeakNotRaised(before, after).ok()) {
+        *output = original;  // no worse than unpaced: left as it was
+        after_built = false;
+        return absl::OkStatus();
       }
       report->graph_changed = true;
     } else {
@@ -675,20 +691,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       s = analyze_output();
       if (!s.ok()) return s;
     }
-    for (size_t d = 0; d < before.devices.size(); ++d) {
-      const int a = DeviceIndex(after, before.devices[d].device);
-      if (a < 0) {
-        return absl::InternalError(absl::StrCat("the rewritten graph no longer uses ",
-                                                before.devices[d].device));
-      }
-      if (PredictedPeak(after.devices[a]) > PredictedPeak(before.devices[d])) {
-        return absl::InternalError(absl::StrCat(
-            "the rewritten graph's predicted peak on ", devices[d].device, " (",
-            FormatBytes(PredictedPeak(after.devices[a])), ") exceeds the original's (",
-            FormatBytes(PredictedPeak(before.devices[d])), ")"));
-      }
-    }
-    return absl::OkStatus();
+    return PeakNotRaised(before, after);
   });
   if (!status.ok()) return status;
 
@@ -758,11 +761,11 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
                                          tensorflow::GraphDef* optimized_graph) {
   const auto start = std::chrono::steady_clock::now();
   *optimized_graph = item.graph;
-  // The meta-optimizer's next iteration over a graph we rewrote: our nodes are in
-  // it, the report of the rewrite stands, and nothing is added twice.
   // An initializer's graph is seen before the step that updates its variables
   // (analyze/initial_values.h); recorded on every call, whatever the pass does next.
   RecordConstInitializedVariables(item.graph);
+  // The meta-optimizer's next iteration over a graph we rewrote: our nodes are in
+  // it, the report of the rewrite stands, and nothing is added twice.
   Published& seen = published_[item.id];
   ++seen.calls;
   if (seen.calls < iterations_ && options_.mode != Mode::kAnalyzeOnly) {

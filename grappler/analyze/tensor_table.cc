@@ -340,7 +340,6 @@ void AddHeldInitialValues(TensorTable* table) {
     held.persistent = true;
     held.device = table->buffers[handle.buffer].device;
     table->buffers.push_back(held);
-    ++table->held_initial_values;
   }
 }
 

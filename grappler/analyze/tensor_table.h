@@ -146,9 +146,6 @@ struct TensorTable {
   std::vector<int> fetch_tensors;    // kept alive to the end of the step
   // Tensors with dimensions that stayed unknown; they count as 1 per unknown dim.
   std::vector<int> unresolved_tensors;
-  // Persistent buffers added for variables whose initial value a Const of another
-  // graph holds (analyze/initial_values.h); their owner is the variable's handle.
-  int held_initial_values = 0;
   int64_t batch_dims_resolved = 0;  // dimensions filled from assume_batch_size
   // The while-loops and the TensorLists they fill (analyze/loops.h).
   LoopAnalysis loops;
