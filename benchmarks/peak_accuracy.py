@@ -60,7 +60,7 @@ from models import MODELS
 tf.keras.utils.set_random_seed(0)
 budget = int(sys.argv[6])
 if budget:
-    tfmemopt.enable(budget=budget, log_level=0)
+    tfmemopt.enable(budget=budget, log_level=0, **json.loads(sys.argv[7]))
 else:
     tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0)
 step, args = MODELS[sys.argv[2]]()
@@ -80,19 +80,21 @@ print("TRIAL " + json.dumps({
     "nodes": report.num_nodes,
     "fits": report.fits,
     "graph_changed": report.graph_changed,
+    "pacing_edges": len(report.loop_pacing.get("edges", [])),
     "unresolved": report.unresolved_tensors,
 }))
 """
 
 
-def run_trial(name, inter_op=0, warmup=2, steps=5, budget=0, timeout=1800):
+def run_trial(name, inter_op=0, warmup=2, steps=5, budget=0, timeout=1800, fields=None):
     """Trains `name` in a fresh interpreter; returns its predicted and measured peaks.
-    budget > 0: the pass plans under that many bytes; 0: ANALYZE_ONLY."""
+    budget > 0: the pass plans under that many bytes, with tfmemopt.enable()'s other
+    `fields` ({} by default); 0: ANALYZE_ONLY."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
     env.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16384")
     proc = subprocess.run(
         [sys.executable, "-c", _TRIAL, HERE, name, str(inter_op), str(warmup), str(steps),
-         str(budget)],
+         str(budget), json.dumps(fields or {})],
         capture_output=True, text=True, env=env, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("TRIAL "):
