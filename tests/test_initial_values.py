@@ -7,7 +7,7 @@ import json
 from conftest import run_python
 
 _SESSION = r"""
-import json
+import json, sys
 import numpy as np
 import tensorflow as tf
 import tfmemopt
@@ -21,7 +21,9 @@ with graph.as_default():
     w = v1.get_variable("w", [1024, 1024], initializer=v1.glorot_uniform_initializer(seed=0))
     b = v1.get_variable("b", [1024], initializer=v1.zeros_initializer())
     loss = tf.reduce_sum(tf.square(tf.matmul(x, w) + b))
-    train = v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+    optimizer = (v1.train.AdamOptimizer(1e-3) if sys.argv[1] == "adam"
+                 else v1.train.MomentumOptimizer(0.01, 0.9))
+    train = optimizer.minimize(loss)
     init = v1.global_variables_initializer()
 config = v1.ConfigProto()
 config.graph_options.rewrite_options.CopyFrom(_eager_context.current_rewrite_options())
@@ -45,12 +47,18 @@ SLOTS = 4 * MIB + 4 * KIB      # Momentum's accumulators, zeros-initialized
 ZERO_INITIALIZED = 4 * KIB + SLOTS  # b and the accumulators: a Const each
 
 
-def test_a_session_holds_const_initial_values_after_the_first_update_and_the_model_counts_them():
-    proc = run_python(_SESSION, env={"TF_CPU_ALLOCATOR_USE_BFC": "true",
-                                     "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
-                                     "TF_CPP_MIN_LOG_LEVEL": "2"})
+ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
+       "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def _run(optimizer):
+    proc = run_python(_SESSION, optimizer, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.splitlines()[-1])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_a_session_holds_const_initial_values_after_the_first_update_and_the_model_counts_them():
+    r = _run("momentum")
     # TF: the initializer leaves the variables; every step after the first update
     # leaves, besides, the Consts that the zero-initialized ones shared a buffer
     # with (and the step's own Consts, such as the folded gradient of the sum).
@@ -59,3 +67,13 @@ def test_a_session_holds_const_initial_values_after_the_first_update_and_the_mod
     assert r["after_steps"][0] - r["after_init"] >= ZERO_INITIALIZED, r
     # The model: the same bytes, as persistent memory of the training step.
     assert abs(r["persistent"] - r["after_steps"][0]) < 64 * KIB, r
+
+
+def test_variables_initialized_from_one_const_hold_it_once():
+    """Adam's two slots of a weight start from identical zeros, which Grappler merges
+    into one Const: after the first step TF holds that Const once, and so does the
+    model (counting it per variable would add another 4 MiB)."""
+    r = _run("adam")
+    # w, b, and Adam's m and v of each (4 MiB + 4 KiB apiece), two step counters
+    # (beta1_power, beta2_power) and the step's own Consts.
+    assert abs(r["persistent"] - r["after_steps"][-1]) < 64 * KIB, r

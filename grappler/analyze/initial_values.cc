@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "tensorflow/core/framework/attr_value.pb.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -17,10 +18,12 @@ using Key = std::tuple<std::string, std::string, std::string>;  // device, conta
 
 // Grappler may optimize several graphs at once (one per thread), hence the lock.
 absl::Mutex registry_mutex;
-absl::flat_hash_map<Key, int64_t>& Registry() {
-  static auto* registry = new absl::flat_hash_map<Key, int64_t>();
+absl::flat_hash_map<Key, HeldInitialValue>& Registry() {
+  static auto* registry = new absl::flat_hash_map<Key, HeldInitialValue>();
   return *registry;
 }
+// Tells apart Consts of one name in different graphs.
+int64_t recorded_graphs = 0;
 
 std::string StringAttr(const tensorflow::NodeDef& node, const char* name) {
   auto it = node.attr().find(name);
@@ -61,6 +64,8 @@ void RecordConstInitializedVariables(const tensorflow::GraphDef& graph) {
     }
     return node;
   };
+  absl::MutexLock lock(&registry_mutex);
+  const int64_t graph_serial = recorded_graphs++;
   for (const tensorflow::NodeDef& node : graph.node()) {
     if (node.op() != "AssignVariableOp" || node.input_size() < 2) continue;
     const tensorflow::NodeDef* handle = source(node.input(0));
@@ -71,16 +76,15 @@ void RecordConstInitializedVariables(const tensorflow::GraphDef& graph) {
     }
     const int64_t bytes = ConstBytes(*value);
     if (bytes <= 0) continue;
-    absl::MutexLock lock(&registry_mutex);
-    Registry()[KeyOf(*handle)] = bytes;
+    Registry()[KeyOf(*handle)] = {absl::StrCat(graph_serial, "/", value->name()), bytes};
   }
 }
 
-int64_t HeldInitialValueBytes(const tensorflow::NodeDef& var_handle) {
-  if (var_handle.op() != "VarHandleOp") return 0;
+HeldInitialValue HeldInitialValueOf(const tensorflow::NodeDef& var_handle) {
+  if (var_handle.op() != "VarHandleOp") return {};
   absl::MutexLock lock(&registry_mutex);
   auto it = Registry().find(KeyOf(var_handle));
-  return it == Registry().end() ? 0 : it->second;
+  return it == Registry().end() ? HeldInitialValue{} : it->second;
 }
 
 }  // namespace tfmemopt

@@ -15,13 +15,14 @@
 // graph first: RecordConstInitializedVariables notes those variables (by device,
 // container and shared name), and the tensor table of a later graph that updates
 // one of them gives it a persistent buffer of the initial value's size
-// (HeldInitialValueBytes). Variables created eagerly (TF2, Keras) are initialized
+// (HeldInitialValueOf), one per Const. Variables created eagerly (TF2, Keras) are initialized
 // from tensors nothing keeps, and reach a tf.function's graph as arguments, not as
 // VarHandleOps: they are never recorded.
 #ifndef TFMEMOPT_GRAPPLER_ANALYZE_INITIAL_VALUES_H_
 #define TFMEMOPT_GRAPPLER_ANALYZE_INITIAL_VALUES_H_
 
 #include <cstdint>
+#include <string>
 
 #include "tensorflow/core/framework/graph.pb.h"
 #include "tensorflow/core/framework/node_def.pb.h"
@@ -29,12 +30,20 @@
 namespace tfmemopt {
 
 // Records, process-wide, every VarHandleOp of `graph` that an AssignVariableOp
-// assigns from a Const (through Identities), with the Const's bytes.
+// assigns from a Const (through Identities), with the Const.
 void RecordConstInitializedVariables(const tensorflow::GraphDef& graph);
 
-// The bytes of the Const a recorded variable was initialized from, for a
-// VarHandleOp of the same device, container and shared name; 0 when none is recorded.
-int64_t HeldInitialValueBytes(const tensorflow::NodeDef& var_handle);
+// The Const a recorded variable was initialized from. Variables initialized from one
+// Const (Grappler merges identical constants, such as the zeros of an optimizer's two
+// slots for one weight) share one buffer, so `id` names the Const, not the variable.
+struct HeldInitialValue {
+  std::string id;  // the Const, unique in the process
+  int64_t bytes = 0;
+};
+
+// For a VarHandleOp of the same device, container and shared name as a recorded
+// variable, its Const; bytes == 0 when none is recorded.
+HeldInitialValue HeldInitialValueOf(const tensorflow::NodeDef& var_handle);
 
 }  // namespace tfmemopt
 

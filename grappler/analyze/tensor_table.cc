@@ -6,6 +6,7 @@
 #include <set>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -313,8 +314,8 @@ void BindUpdatedVariables(TensorTable* table) {
 
 // A variable the step updates whose initial value a Const of the initializer's
 // graph still holds (analyze/initial_values.h): after the first step the device
-// holds both, so the initial value is one more persistent buffer. Needs
-// BindUpdatedVariables.
+// holds both, so the initial value is one more persistent buffer, one per Const
+// however many variables shared it. Needs BindUpdatedVariables.
 void AddHeldInitialValues(TensorTable* table) {
   std::vector<bool> updated(table->tensors.size(), false);
   for (const NodeInfo& node : table->nodes) {
@@ -329,14 +330,15 @@ void AddHeldInitialValues(TensorTable* table) {
       updated[t] = true;
     }
   }
+  absl::flat_hash_set<std::string> consts;
   for (size_t t = 0; t < table->tensors.size(); ++t) {
     if (!updated[t]) continue;
     const TensorInfo& handle = table->tensors[t];
-    const int64_t bytes = HeldInitialValueBytes(*table->nodes[handle.node].def);
-    if (bytes <= 0 || handle.buffer < 0) continue;
+    const HeldInitialValue value = HeldInitialValueOf(*table->nodes[handle.node].def);
+    if (value.bytes <= 0 || handle.buffer < 0 || !consts.insert(value.id).second) continue;
     BufferInfo held;
     held.owner = static_cast<int>(t);
-    held.bytes = bytes;
+    held.bytes = value.bytes;
     held.persistent = true;
     held.device = table->buffers[handle.buffer].device;
     table->buffers.push_back(held);
