@@ -183,5 +183,10 @@ class VariableSnapshot:
         for var, value in self._pairs:
             var.assign(value)
 
+    def not_covered(self, variables):
+        """The variables of `variables` this snapshot does not hold (created since)."""
+        held = {id(var) for var, _ in self._pairs}
+        return [var for var in variables if id(var) not in held]
+
     def __len__(self):
         return len(self._pairs)

@@ -174,6 +174,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._fit_fields = fields
         self._enable()
         self._active = True
+        self._build_optimizer()
         # A fresh trace, so that this fit's step gets optimized and reported even if
         # an earlier fit instantiated it under the same config.
         self.model.make_train_function(force=True)
@@ -261,6 +262,13 @@ class MemoryOptimizer(keras.callbacks.Callback):
                     self._lower_budget(report, error, {}, retrying=False)
                     raise
                 snapshot.restore()  # the failed attempt's updates never survive
+                created = snapshot.not_covered(self._step_variables())
+                if created:
+                    _logger().warning(
+                        "tfmemopt: %d variables (e.g. %s) were created by the failed "
+                        "attempt and are not put back; the retried batch may differ "
+                        "from a run that never ran out of memory.", len(created),
+                        getattr(created[0], "path", created[0].name))
                 if len(self.retries_done) >= self.retries:
                     raise
                 self._lower_budget(report, error, feedback.read_peaks(devices))
@@ -271,6 +279,16 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 if report is not None:
                     feedback.record_measured_peak(report, feedback.read_peaks(devices))
             return logs
+
+    def _build_optimizer(self):
+        """Creates the optimizer's variables now if Keras would create them in the
+        first step: the snapshot that guards that step must hold them, or a failed
+        first attempt's updates of them (Adam's moments, its iteration count) would
+        survive into the retry."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and hasattr(optimizer, "build") and not getattr(
+                optimizer, "built", True):
+            optimizer.build(self.model.trainable_variables)
 
     def _step_variables(self):
         model = self.model
