@@ -63,6 +63,11 @@ struct MemoryOptimizerOptions {
   int64_t assume_trip_count = 0;
   // Keep loops in step when the graph changes (rewrite/loop_pacing.h).
   bool pace_loops = true;
+  // A budget_fraction is of the device's memory: what its allocator holds when the
+  // graph is planned, beyond the graph's own persistent buffers and inputs (a
+  // dataset, another model, eager tensors), is taken from it
+  // (DeviceReport::held_outside_bytes). budget_bytes is the step's own.
+  bool count_memory_held_outside = true;
   // Test-only: name of the stage that must fail ("" = none).
   std::string test_only_fail_stage;
 };

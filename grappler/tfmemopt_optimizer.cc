@@ -29,6 +29,8 @@
 #include "grappler/rewrite/recompute_pass.h"
 #include "grappler/simulate/liveness_simulator.h"
 #include "grappler/verify/graph_verifier.h"
+#include "tensorflow/core/common_runtime/device_set.h"
+#include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/grappler/clusters/cluster.h"
 #include "tensorflow/core/grappler/grappler_item_builder.h"
 #include "tensorflow/core/grappler/optimizers/custom_graph_optimizer_registry.h"
@@ -71,8 +73,43 @@ int64_t HostRamBytes() {
 // Grappler's clusters describe a CPU with a nominal memory size (256 MiB in TF
 // 2.21's VirtualCluster), so CPU memory is the BFC cap of the test bed if one is
 // set, else the host's RAM.
+// What the allocator of `device` holds now, from the devices TF runs the graph on
+// (a tf.function's or a Session's cluster has them; the Python grappler API's does
+// not): -1 when unknown.
+int64_t AllocatorBytesInUse(const Cluster* cluster, const std::string& device) {
+  if (cluster == nullptr || cluster->GetDeviceSet() == nullptr) return -1;
+  for (tensorflow::Device* candidate : cluster->GetDeviceSet()->devices()) {
+    if (ShortDeviceName(candidate->name()) != device) continue;
+    tensorflow::Allocator* allocator =
+        candidate->GetAllocator(tensorflow::AllocatorAttributes());
+    if (allocator == nullptr) return -1;
+    const std::optional<tensorflow::AllocatorStats> stats = allocator->GetStats();
+    return stats ? stats->bytes_in_use : -1;
+  }
+  return -1;
+}
+
+// The part of `device`'s allocator_in_use_bytes that `table` does not account for:
+// not its persistent buffers (variables, kept initial values) nor its inputs (the
+// caller allocated them before the step). Its constants are not allocated yet (TF
+// makes them with their kernels, after Grappler), so they are not subtracted.
+int64_t HeldOutsideBytes(const TensorTable& table, const DeviceReport& device) {
+  if (device.allocator_in_use_bytes <= 0) return 0;
+  int64_t own = 0;
+  for (const BufferInfo& buffer : table.buffers) {
+    if (!(buffer.persistent || buffer.external) || buffer.device != device.device) continue;
+    if (buffer.owner >= 0 && buffer.persistent &&
+        table.nodes[table.tensors[buffer.owner].node].def->op() == "Const") {
+      continue;
+    }
+    own += buffer.bytes;
+  }
+  return std::max<int64_t>(0, device.allocator_in_use_bytes - own);
+}
+
 void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
   device->memory_source = "none";
+  device->allocator_in_use_bytes = AllocatorBytesInUse(cluster, device->device);
   if (absl::StartsWith(device->device, "CPU") || device->device.empty()) {
     const int64_t bfc_limit = CpuBfcLimitBytes();
     if (bfc_limit > 0) {
@@ -166,7 +203,10 @@ SimulationOptions SimulationFor(const std::vector<DeviceReport>& devices,
   for (const std::string& name : table_devices) {
     int64_t limit = 0;
     for (const DeviceReport& device : devices) {
-      if (device.device == name && device.allocator == "bfc") limit = device.memory_bytes;
+      // Memory held outside the graph is not the step's to use (0 unless counted).
+      if (device.device == name && device.allocator == "bfc") {
+        limit = std::max<int64_t>(1, device.memory_bytes - device.held_outside_bytes);
+      }
     }
     simulation.bfc_memory_limit.push_back(limit);
   }
@@ -284,6 +324,15 @@ bool SetBudgets(const MemoryOptimizerOptions& options, std::vector<DeviceReport>
       device.budget_bytes =
           static_cast<int64_t>(options.budget_fraction * static_cast<double>(device.memory_bytes));
     }
+    // A fraction of the device's memory: the step gets what is left of it once the
+    // memory held outside the graph is taken (never 0, which means "no budget"); the
+    // report says how much was held. budget_bytes is the step's own.
+    if (options.count_memory_held_outside && options.budget_bytes == 0 &&
+        device.budget_bytes > 0) {
+      device.budget_bytes = std::max<int64_t>(1, device.budget_bytes - device.held_outside_bytes);
+    } else {
+      device.held_outside_bytes = 0;
+    }
     over_budget |= device.budget_bytes > 0 && device.peak_before_bytes > device.budget_bytes;
   }
   return over_budget;
@@ -385,6 +434,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   if (!status.ok()) return status;
   for (size_t d = 0; d < devices.size(); ++d) {
     devices[d].peak_before_bytes = PredictedPeak(before.devices[d]);
+    devices[d].held_outside_bytes = HeldOutsideBytes(table, devices[d]);
   }
   for (const NodeInfo& node : table.nodes) report->recompute.step_seconds += node.compute_seconds;
 

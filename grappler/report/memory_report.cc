@@ -172,6 +172,7 @@ std::string MemoryReport::ToJson() const {
         << ",\"max_op_working_set_op\":" << Quote(d.max_op_working_set_op)
         << ",\"allocator_refused_bytes\":" << d.allocator_refused_bytes
         << ",\"allocator_refused\":" << Quote(d.allocator_refused)
+        << ",\"held_outside_bytes\":" << d.held_outside_bytes
         << ",\"top_tensors_at_peak\":[";
     for (size_t j = 0; j < d.top_tensors_at_peak.size(); ++j) {
       const PeakTensor& t = d.top_tensors_at_peak[j];

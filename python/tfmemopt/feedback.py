@@ -134,6 +134,10 @@ def next_budget(report, error, peaks):
     budget = report.budget_bytes.get(device) or None
     predicted = report.predicted_peak_bytes["after"].get(device) or None
     in_use = peaks.get(device)
+    # The next budget is in bytes, the step's own; what the allocator held outside the
+    # step when it was planned (counted for a budget_fraction) is not the step's.
+    if in_use is not None:
+        in_use = max(1, in_use - report.held_outside_bytes.get(device, 0))
     return {"graph_id": report.graph_id, "device": device, "budget_bytes": budget,
             "predicted_peak_bytes": predicted, "missing_bytes": missing,
             "in_use_at_failure": in_use,

@@ -63,7 +63,9 @@ class Report:
 
     Attributes: graph_id, status ('ok' or 'fallback'), failed_stage, message, mode,
     num_nodes, num_tensors, unresolved_tensors, devices (list of device names),
-    budget_bytes ({device: bytes}, 0 = unknown), persistent_bytes ({device: bytes}),
+    budget_bytes ({device: bytes}, 0 = unknown; the step's share: what is left of the
+    budget once held_outside_bytes, memory the device held outside this graph when it
+    was planned, is taken), persistent_bytes ({device: bytes}),
     predicted_peak_bytes ({'before': {device: bytes}, 'after': {...}}),
     top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None;
     False also when the allocator model ran out of memory: to_dict()'s devices carry
@@ -119,6 +121,9 @@ class Report:
         self.devices = [d["device"] for d in devices]
         self.budget_bytes = {d["device"]: d["budget_bytes"] for d in devices}
         self.persistent_bytes = {d["device"]: d["persistent_bytes"] for d in devices}
+        # Held by the device's allocator when the graph was planned and not the graph's
+        # own (count_memory_held_outside): budget_bytes is what was left of the budget.
+        self.held_outside_bytes = {d["device"]: d.get("held_outside_bytes", 0) for d in devices}
         # Sum of live tensors at the peak step; predicted_peak_bytes may be higher
         # where the device's BFC allocator is modelled (it counts whole chunks).
         self.live_peak_bytes = {d["device"]: d.get("live_peak_bytes", 0) for d in devices}
@@ -247,7 +252,10 @@ class Report:
                 f"  {name}: predicted peak {format_bytes(d['peak_before_bytes'])}"
                 f" -> {format_bytes(d['peak_after_bytes'])}, budget {budget}"
                 f" (device memory {format_bytes(d['memory_bytes'])} from "
-                f"{d['memory_source']}), persistent {format_bytes(d['persistent_bytes'])}"
+                f"{d['memory_source']}"
+                + (f", of which {format_bytes(d['held_outside_bytes'])} held outside this"
+                   " graph when it was planned" if d.get("held_outside_bytes") else "")
+                + f"), persistent {format_bytes(d['persistent_bytes'])}"
                 + (f", live tensors at the peak {format_bytes(d['live_peak_bytes'])}"
                    f" (BFC allocator model)" if d.get("allocator") == "bfc" else "")
             )
