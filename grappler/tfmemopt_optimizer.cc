@@ -70,9 +70,6 @@ int64_t HostRamBytes() {
   return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : 0;
 }
 
-// Grappler's clusters describe a CPU with a nominal memory size (256 MiB in TF
-// 2.21's VirtualCluster), so CPU memory is the BFC cap of the test bed if one is
-// set, else the host's RAM.
 // What the allocator of `device` holds now, from the devices TF runs the graph on
 // (a tf.function's or a Session's cluster has them; the Python grappler API's does
 // not): -1 when unknown.
@@ -89,27 +86,30 @@ int64_t AllocatorBytesInUse(const Cluster* cluster, const std::string& device) {
   return -1;
 }
 
-// The part of `device`'s allocator_in_use_bytes that `table` does not account for:
-// not its persistent buffers (variables, kept initial values) nor its inputs (the
-// caller allocated them before the step). Its constants are not allocated yet (TF
-// makes them with their kernels, after Grappler), so they are not subtracted.
-int64_t HeldOutsideBytes(const TensorTable& table, const DeviceReport& device) {
-  if (device.allocator_in_use_bytes <= 0) return 0;
+// The part of what `device`'s allocator holds (`in_use`, -1: unknown) that `table`
+// does not account for: not its persistent buffers (variables, kept initial values)
+// nor its inputs (the caller allocated them before the step). Its constants are not
+// allocated yet (TF makes them with their kernels, after Grappler), so they are not
+// subtracted.
+int64_t HeldOutsideBytes(const TensorTable& table, const std::string& device, int64_t in_use) {
+  if (in_use <= 0) return 0;
   int64_t own = 0;
   for (const BufferInfo& buffer : table.buffers) {
-    if (!(buffer.persistent || buffer.external) || buffer.device != device.device) continue;
+    if (!(buffer.persistent || buffer.external) || buffer.device != device) continue;
     if (buffer.owner >= 0 && buffer.persistent &&
         table.nodes[table.tensors[buffer.owner].node].def->op() == "Const") {
       continue;
     }
     own += buffer.bytes;
   }
-  return std::max<int64_t>(0, device.allocator_in_use_bytes - own);
+  return std::max<int64_t>(0, in_use - own);
 }
 
+// Grappler's clusters describe a CPU with a nominal memory size (256 MiB in TF
+// 2.21's VirtualCluster), so CPU memory is the BFC cap of the test bed if one is
+// set, else the host's RAM.
 void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
   device->memory_source = "none";
-  device->allocator_in_use_bytes = AllocatorBytesInUse(cluster, device->device);
   if (absl::StartsWith(device->device, "CPU") || device->device.empty()) {
     const int64_t bfc_limit = CpuBfcLimitBytes();
     if (bfc_limit > 0) {
@@ -434,7 +434,8 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   if (!status.ok()) return status;
   for (size_t d = 0; d < devices.size(); ++d) {
     devices[d].peak_before_bytes = PredictedPeak(before.devices[d]);
-    devices[d].held_outside_bytes = HeldOutsideBytes(table, devices[d]);
+    devices[d].held_outside_bytes = HeldOutsideBytes(
+        table, devices[d].device, AllocatorBytesInUse(cluster, devices[d].device));
   }
   for (const NodeInfo& node : table.nodes) report->recompute.step_seconds += node.compute_seconds;
 

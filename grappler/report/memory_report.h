@@ -48,10 +48,9 @@ struct DeviceReport {
   // bytes: none): TF would run out of memory there even below the limit.
   int64_t allocator_refused_bytes = 0;
   std::string allocator_refused;
-  // What the device's allocator held when the graph was planned (-1: unknown), and
-  // the part of it that is not the graph's persistent buffers or inputs: memory the
-  // step cannot use, taken from budget_bytes when count_memory_held_outside is set.
-  int64_t allocator_in_use_bytes = -1;
+  // What the device's allocator held when the graph was planned that is not the
+  // graph's persistent buffers or inputs: memory the step cannot use, taken from
+  // budget_bytes when count_memory_held_outside applies (else 0).
   int64_t held_outside_bytes = 0;
 };
 
