@@ -250,3 +250,114 @@ def test_the_first_steps_snapshot_holds_the_optimizers_variables():
     assert not result["built_before_fit"]  # what makes this test meaningful
     assert result["optimizer_variables"] == 2 * 4 + 2  # m, v of 4 weights; iteration, lr
     assert result["missing_from_first"] == []
+
+
+# A step whose plan meets its budget on paper only: traced with an unknown batch, which
+# the model takes as assume_batch_size=512, and run at batch 1024, so that each
+# activation is twice what the model counts (min_tensor_bytes lets the plan act on its
+# 0.5 MiB). "plain": the same step as a tf.function, without tfmemopt.
+_CALIBRATED = r'''
+import json, sys
+import tensorflow as tf
+import tfmemopt
+sys.path.insert(0, sys.argv[1])
+from conftest import chain_mlp
+mode, budget, min_tensor_bytes = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+step, x, ws = chain_mlp(depth=24)
+if mode != "plain":
+    tfmemopt.enable(budget=budget, enable_split=False, log_level=0, assume_batch_size=512,
+                    min_tensor_bytes=min_tensor_bytes)
+    step = tfmemopt.function(step.python_function, guard_steps=10,
+                             input_signature=[tf.TensorSpec([None, 256])])
+losses = [float(step(x)).hex() for _ in range(4)]
+out = {"losses": losses, "weights": [w.numpy().tobytes().hex()[:4096] for w in ws]}
+if mode != "plain":
+    report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")][-1]
+    out.update(calibrations=step.calibrator.done, budget=report.budget_bytes["CPU:0"],
+               predicted=report.predicted_peak_bytes["after"]["CPU:0"])
+print("RESULT " + json.dumps(out))
+'''
+BUDGET_ON_PAPER = 20_000_000  # the plan predicts 19.0 MiB; the step measures about 31
+
+
+def test_a_step_over_its_budget_on_paper_is_replanned_under_the_measured_error():
+    plain, _ = _result(run_python(_CALIBRATED, TESTS, "plain", 0, 0, env=_capped(1024)))
+    run, log = _result(run_python(_CALIBRATED, TESTS, "calibrate", BUDGET_ON_PAPER,
+                                  1 << 16, env=_capped(1024)))
+    [calibration] = run["calibrations"]
+    measured = calibration["measured_step_bytes"]
+    assert calibration["predicted_peak_bytes"] <= BUDGET_ON_PAPER < measured
+    error = measured - calibration["predicted_peak_bytes"]
+    assert calibration["new_budget_bytes"] == BUDGET_ON_PAPER - error
+    assert "re-planning the next calls under" in log
+    # The plan that runs now is the calibrated one, and it lowered the measured peak by
+    # at least half of what it predicted to save (else it would have been undone).
+    assert run["budget"] == calibration["new_budget_bytes"]
+    assert not calibration.get("reverted")
+    saved_on_paper = calibration["predicted_peak_bytes"] - run["predicted"]
+    assert measured - calibration["measured_after_bytes"] >= saved_on_paper / 2 > 0
+    assert run["losses"] == plain["losses"]  # recomputing is bitwise
+    assert run["weights"] == plain["weights"]
+
+
+def test_a_calibration_that_saves_nothing_is_undone():
+    # With the default min_tensor_bytes (1 MiB) no activation the model sees (0.5 MiB)
+    # is a candidate, so the calibrated plan cannot lower anything: the budget of before
+    # comes back, on a fresh trace whose report is that budget's.
+    budget = 21_000_000  # the plan predicts 20.0 MiB, keeping everything
+    run, log = _result(run_python(_CALIBRATED, TESTS, "calibrate", budget, 1 << 20,
+                                  env=_capped(1024)))
+    [calibration] = run["calibrations"]
+    assert calibration["reverted"]
+    assert "calibrations stop" in log
+    assert run["budget"] == budget
+    assert run["predicted"] == calibration["predicted_peak_bytes"]
+
+
+@pytest.mark.parametrize("budget, predicted, peak, in_use_before, persistent, want", [
+    (100, 90, 95, 10, 10, None),   # measured within the budget: nothing to do
+    (1000, 900, 1010, 10, 10, None),  # 1 % over: within the tolerance
+    (100, 90, 115, 10, 10, 75),    # 15 over: the budget goes down by the error, 25
+    (100, 90, 115, 25, 10, None),  # of which 15 held outside the step: not its own
+    (100, 110, 130, 10, 10, None), # the plan did not claim to meet its budget
+])
+def test_a_calibration_takes_the_budget_down_by_the_steps_own_error(
+        budget, predicted, peak, in_use_before, persistent, want):
+    class Planned:  # the fields of a tfmemopt.Report the calibration reads
+        graph_id = "step"
+        budget_bytes = {"CPU:0": budget}
+        predicted_peak_bytes = {"after": {"CPU:0": predicted}}
+        persistent_bytes = {"CPU:0": persistent}
+
+    replan = feedback.Calibrator(limit=3).after_step(
+        "the step", Planned, {"CPU:0": peak}, {"CPU:0": in_use_before})
+    assert (replan and replan["budget_bytes"]) == want
+
+
+_PARTIAL_BATCH = r'''
+import json
+import numpy as np
+import keras
+import tfmemopt
+from tfmemopt.keras import MemoryOptimizer
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((256,))] +
+                         [keras.layers.Dense(256, activation="relu") for _ in range(8)] +
+                         [keras.layers.Dense(1)])
+model.compile(keras.optimizers.SGD(0.01), "mse")
+x = np.ones((4 * 1024 + 100, 256), np.float32)
+callback = MemoryOptimizer(budget="1GiB", log_level=0, print_report=False, guard_steps=1)
+model.fit(x, x[:, :1], batch_size=1024, epochs=2, shuffle=False, verbose=0,
+          callbacks=[callback])
+print("RESULT " + json.dumps([[r.graph_id, r.measured_peak_bytes] for r in callback.reports]))
+'''
+
+
+def test_a_train_step_traced_anew_for_a_partial_batch_is_measured():
+    """Keras traces the train step again for the partial last batch (with an unknown
+    batch dimension, which then serves every batch): that graph is a new plan, and its
+    first steps are guarded and measured as the first plan's are."""
+    graphs, _ = _result(run_python(_PARTIAL_BATCH, env=_capped(1024)))
+    assert len(graphs) == 2, graphs  # the full batches' trace and the partial batch's
+    for graph_id, measured in graphs:
+        assert measured and measured["CPU:0"] > 0, graph_id

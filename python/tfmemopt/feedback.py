@@ -19,6 +19,11 @@ each (re)plan, where an out-of-memory error is to be expected (BFC's regions set
 the first steps). Past them, a step that runs out of memory may have updated some
 variables already, so it is not retried: the lower budget is kept for the next plan
 and the error is raised with a line saying so.
+
+A guarded step that succeeds but whose own measured peak exceeds the budget its plan
+met on paper is a warning of such an error: `Calibrator` re-plans it under the budget
+less the measured error, and undoes that when the re-plan does not lower the
+measured peak.
 """
 
 import re
@@ -33,6 +38,9 @@ ERROR_TO_LOG = 0.05
 _OOM = re.compile(r"OOM when allocating tensor with shape\[([0-9, ]*)\] and type (\w+)"
                   r"(?: on (\S+))?")
 DEFAULT_STEP = 0.05  # of the budget, when TF does not say what it could not allocate
+# A step's own peak this far over its budget is not worth a re-plan (a new trace, more
+# guarded steps): the budget's default headroom (0.9 of the device) covers it.
+CALIBRATION_TOLERANCE = 0.01
 
 
 def measured_peak(graph_id):
@@ -85,6 +93,10 @@ def reset_peaks(devices):
 
 def read_peaks(devices):
     return {name: tf.config.experimental.get_memory_info(name)["peak"] for name in devices}
+
+
+def read_in_use(devices):
+    return {name: tf.config.experimental.get_memory_info(name)["current"] for name in devices}
 
 
 def missing_bytes(error):
@@ -170,6 +182,109 @@ def replan(what, report, error, peaks, retries_done, retries, retrying=True):
         retries_done.append(record)
     log_retry(what, record, len(retries_done) if retrying else None, retries)
     return record["new_budget_bytes"]
+
+
+def step_own_peak(report, device, peak, in_use_before):
+    """Of a measured peak, the step's own: less what the allocator held before the step
+    beyond the graph's persistent buffers (other models, a dataset, eager tensors, the
+    step's inputs), which no plan of this step can lower."""
+    outside = max(0, in_use_before - report.persistent_bytes.get(device, 0))
+    return max(0, peak - outside)
+
+
+class Calibrator:
+    """Re-plans a step whose measured peak went over the budget its plan said it met.
+
+    Such a plan fits on paper only (the executor ran ops in another order than the
+    model, the allocator fragmented, the batch was not the one assumed), and the next
+    step that peaks a little higher runs out of memory, past the guarded steps, where
+    it cannot be retried. So when a guarded step's own peak (step_own_peak) exceeds the
+    budget (by more than CALIBRATION_TOLERANCE), the next plan is made under the budget
+    less the measured error. If that plan does not lower the measured peak by at least
+    half of what it predicted to save, the error is memory the plan cannot act on (a
+    shape the model does not know, a kernel's scratch): the budget before the
+    calibration comes back and no more calibrations are made. At most `limit`
+    calibrations; each is logged, and listed in `done`.
+    """
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.done = []  # one dict per calibration, as next_budget's, with measured_step_bytes
+        self._pending = None  # the calibration whose first measurement is awaited
+        self._stopped = False
+
+    def after_step(self, what, report, peaks, in_use_before):
+        """After a guarded step that succeeded: None, or {"budget_bytes": the budget
+        (bytes, the step's own) to re-plan the step under, "retrace": whether to trace
+        the step afresh for it}.
+        `peaks`, `in_use_before`: {device: bytes} measured around the step."""
+        over = self._overshoot(report, peaks, in_use_before)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if self._did_not_help(pending, report, peaks, in_use_before):
+                # The budget that plan had, in bytes, with a fresh trace: under a config
+                # TF has instantiated before, the step would run the old instantiation
+                # while the latest report would be the calibrated plan's.
+                return {"budget_bytes": pending["budget_bytes"], "retrace": True}
+        if over is None or self._stopped or len(self.done) >= self.limit:
+            return None
+        self.done.append(over)
+        self._pending = over
+        mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+        tf.get_logger().warning(
+            "tfmemopt: graph %s on %s measured %s of its own, over the budget of %s its "
+            "plan met on paper (predicted peak %s); re-planning %s under %s "
+            "(calibration %d of %d)", over["graph_id"], over["device"],
+            mib(over["measured_step_bytes"]), mib(over["budget_bytes"]),
+            mib(over["predicted_peak_bytes"]), what, mib(over["new_budget_bytes"]),
+            len(self.done), self.limit)
+        return {"budget_bytes": over["new_budget_bytes"], "retrace": False}
+
+    def replanned(self):
+        """The step was re-planned for another reason (an out-of-memory retry): the
+        next measurement is not the calibrated plan's."""
+        self._pending = None
+
+    @staticmethod
+    def _overshoot(report, peaks, in_use_before):
+        """The calibration record of the device most over its budget, or None."""
+        worst = None
+        for device, peak in peaks.items():
+            budget = report.budget_bytes.get(device)
+            predicted = report.predicted_peak_bytes["after"].get(device)
+            if not budget or not predicted or predicted > budget:
+                continue  # no budget, or the plan did not claim to meet it
+            own = step_own_peak(report, device, peak, in_use_before.get(device, 0))
+            if own <= budget * (1 + CALIBRATION_TOLERANCE):
+                continue
+            record = {"graph_id": report.graph_id, "device": device,
+                      "budget_bytes": budget, "predicted_peak_bytes": predicted,
+                      "measured_step_bytes": own,
+                      "new_budget_bytes": max(1, budget - (own - predicted))}
+            if worst is None or (own - budget
+                                 > worst["measured_step_bytes"] - worst["budget_bytes"]):
+                worst = record
+        return worst
+
+    def _did_not_help(self, pending, report, peaks, in_use_before):
+        device = pending["device"]
+        if device not in peaks:
+            return False
+        own = step_own_peak(report, device, peaks[device], in_use_before.get(device, 0))
+        predicted = report.predicted_peak_bytes["after"].get(device) or 0
+        saved_on_paper = pending["predicted_peak_bytes"] - predicted
+        saved = pending["measured_step_bytes"] - own
+        pending["measured_after_bytes"] = own
+        if saved_on_paper > 0 and saved >= saved_on_paper / 2:
+            return False
+        self._stopped = pending["reverted"] = True
+        tf.get_logger().warning(
+            "tfmemopt: graph %s on %s: the plan under the calibrated budget saved %.1f MiB "
+            "on paper but %.1f MiB measured (%.1f MiB of its own now); the budget of "
+            "before the calibration (%.1f MiB) comes back, and calibrations stop: the "
+            "model's error here is memory the plan cannot act on", report.graph_id, device,
+            saved_on_paper / 2**20, saved / 2**20, own / 2**20, pending["budget_bytes"] / 2**20)
+        return True
 
 
 class VariableSnapshot:

@@ -101,7 +101,10 @@ class MemoryOptimizer(keras.callbacks.Callback):
       for the rest of the fit and for later fits with this callback.
     guard_steps: how many steps after each (re)plan are measured (measured_peak_bytes
       in the report) and guarded by a host snapshot of the model's, the optimizer's
-      and the metrics' variables, which a failed attempt may have updated.
+      and the metrics' variables, which a failed attempt may have updated. A guarded
+      step that measures over the budget its plan met on paper has the next batches
+      re-planned under a budget lowered by the error (at most `retries` times;
+      `calibrator.done` lists them; see tfmemopt.feedback.Calibrator).
     **fields: other fields of tfmemopt.MemoryOptimizerConfig. `assume_batch_size`
       defaults to the batch size `fit` uses (see fit_batch_size()), since Keras
       traces the step with an unknown batch dimension when the data has a partial
@@ -130,7 +133,10 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self.guard_steps = guard_steps
         self.budget_bytes = None  # lowered after a retry; kept for later steps and fits
         self.retries_done = []
+        # Re-plans of steps that measured over their budget without running out of memory.
+        self.calibrator = feedback.Calibrator(retries)
         self._steps_since_plan = 0
+        self._batch_shapes = None  # of the last step's batches
         self._budget = budget
         self._fields = fields
         self.plot_to = plot_to
@@ -172,6 +178,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._before = {r.graph_id for r in tfmemopt.reports()}
         self._test_graphs = set()
         self._fit_fields = fields
+        # This fit traces its own train step: a new plan, whose first steps are guarded.
+        self._steps_since_plan, self._batch_shapes = 0, None
         self._enable()
         self._active = True
         self._build_optimizer()
@@ -179,13 +187,13 @@ class MemoryOptimizer(keras.callbacks.Callback):
         # an earlier fit instantiated it under the same config.
         self.model.make_train_function(force=True)
         # Wrapped only to restore the state when a step fails: fit has no hook for that.
-        step = self._step = self.model.train_function
+        self._step = self.model.train_function
 
         def train_function(iterator):
             try:
                 if self.retries == 0:
-                    return step(iterator)
-                return self._guarded_step(step, iterator)
+                    return self._step(iterator)
+                return self._guarded_step(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise  # the end of an epoch
             except BaseException:
@@ -232,7 +240,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 fields.pop(name, None)
         tfmemopt.enable(budget, **fields)
 
-    def _guarded_step(self, step, iterator):
+    def _guarded_step(self, iterator):
         """Runs one train step on batches read beforehand, so that a step that runs
         out of memory can be re-planned and retried with the same batches."""
         batches = []
@@ -243,6 +251,14 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 break
         if not batches:
             raise StopIteration
+        shapes = [tuple(t.shape) for t in tf.nest.flatten(batches) if hasattr(t, "shape")]
+        if shapes != self._batch_shapes:
+            # A batch of another shape (a partial last batch, then the full ones again)
+            # may trace the step anew, with a batch dimension the plan no longer knows:
+            # a new plan, guarded and measured as after a re-plan.
+            if self._batch_shapes is not None:
+                self._steps_since_plan = 0
+            self._batch_shapes = shapes
         while True:
             guarded = self._steps_since_plan < self.guard_steps
             snapshot = devices = None
@@ -250,8 +266,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 snapshot = feedback.VariableSnapshot(self._step_variables())
                 devices = feedback.memory_devices(None)
                 feedback.reset_peaks(devices)
+                in_use_before = feedback.read_in_use(devices)
             try:
-                logs = step(batches)
+                logs = self._step(batches)
             except tf.errors.ResourceExhaustedError as error:
                 report = self._latest_report()
                 if report is None:
@@ -277,8 +294,23 @@ class MemoryOptimizer(keras.callbacks.Callback):
             if devices:
                 report = self._latest_report()
                 if report is not None:
-                    feedback.record_measured_peak(report, feedback.read_peaks(devices))
+                    peaks = feedback.read_peaks(devices)
+                    feedback.record_measured_peak(report, peaks)
+                    replan = self.calibrator.after_step(
+                        "the next batches", report, peaks, in_use_before)
+                    if replan:
+                        self.budget_bytes = replan["budget_bytes"]
+                        self._steps_since_plan = 0
+                        self._enable()
+                        if replan["retrace"]:
+                            self._retrace()
             return logs
+
+    def _retrace(self):
+        """A fresh train function under the current config, behind the wrapper."""
+        self.model.make_train_function(force=True)
+        self._step = self.model.train_function
+        self.model.train_function = self._wrapper
 
     def _build_optimizer(self):
         """Creates the optimizer's variables now if Keras would create them in the
@@ -307,6 +339,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
     def _lower_budget(self, report, error, peaks, retrying=True):
         self.budget_bytes = feedback.replan("the batch", report, error, peaks,
                                             self.retries_done, self.retries, retrying)
+        self.calibrator.replanned()
         self._steps_since_plan = 0
         self._enable()
 

@@ -16,7 +16,11 @@ pass with the config of tfmemopt.enable(); in addition:
   back, the budget is lowered by the allocation that failed (feedback.lowered_budget),
   the function is re-planned under it, and the call is retried with the same inputs,
   up to `retries` times; each retry is logged and listed in `retries_done`. The lowered
-  budget applies to this function only and is kept for its later calls.
+  budget applies to this function only and is kept for its later calls;
+* when one of those calls succeeds but its own measured peak exceeds the budget its
+  plan met on paper, the function is re-planned for the next calls under the budget
+  less the measured error (feedback.Calibrator: at most `retries` times, undone if it
+  does not lower the measured peak; listed in `calibrator.done`).
 """
 
 import functools
@@ -46,12 +50,15 @@ class Function:
         if not isinstance(guard_steps, int) or guard_steps < 1:
             raise ValueError(
                 f"tfmemopt.function: guard_steps={guard_steps!r}; allowed: an int >= 1")
+        self._tf_function_kwargs = tf_function_kwargs
         self._function = tf.function(python_function, **tf_function_kwargs)
         functools.update_wrapper(self, python_function)
         self.retries = retries
         self.guard_steps = guard_steps
         self.budget_bytes = None  # this function's own budget, after a retry
         self.retries_done = []    # one dict per retry: graph_id, device, budgets, missing
+        # Re-plans of calls that measured over their budget without running out of memory.
+        self.calibrator = feedback.Calibrator(retries)
         self._calls_since_plan = 0
         self._warned = False
 
@@ -85,6 +92,7 @@ class Function:
                 snapshot = feedback.VariableSnapshot(concrete.variables)
                 devices = feedback.memory_devices(self._devices(concrete))
                 feedback.reset_peaks(devices)
+                in_use_before = feedback.read_in_use(devices)
             try:
                 with self._own_budget(config):
                     result = self._function(*args, **kwargs)
@@ -106,7 +114,16 @@ class Function:
             if devices:
                 report = self._report(args, kwargs)
                 if report is not None:
-                    feedback.record_measured_peak(report, feedback.read_peaks(devices))
+                    peaks = feedback.read_peaks(devices)
+                    feedback.record_measured_peak(report, peaks)
+                    replan = self.calibrator.after_step(
+                        "the next calls", report, peaks, in_use_before)
+                    if replan:
+                        self.budget_bytes = replan["budget_bytes"]
+                        self._calls_since_plan = 0
+                        if replan["retrace"]:
+                            self._function = tf.function(self._function.python_function,
+                                                         **self._tf_function_kwargs)
             return result
 
     # --- helpers ---
@@ -137,6 +154,7 @@ class Function:
     def _lower_budget(self, report, error, peaks, retrying=True):
         self.budget_bytes = feedback.replan("the step", report, error, peaks,
                                             self.retries_done, self.retries, retrying)
+        self.calibrator.replanned()
         self._calls_since_plan = 0
 
 
