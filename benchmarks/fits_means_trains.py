@@ -18,7 +18,9 @@ cap (TF's BFC CPU allocator limited to --cap-mb, or the model's own cap below):
 A claim that runs out of memory is a failure ("fits_but_oom"). With --retry the steps
 run through tfmemopt's re-plan-on-OOM wrapper (tfmemopt.function, when the installed
 tfmemopt has it); a claim that trains after a re-plan counts as "trained_after_retry"
-(0 while tfmemopt has no such wrapper). A claim's first attempt runs the plan exactly as
+(0 while tfmemopt has no such wrapper), and a claim whose step measured over its
+budget and was re-planned lower for the steps after it counts as "calibrated" (the
+wrapper's calibrator, tfmemopt.feedback.Calibrator). A claim's first attempt runs the plan exactly as
 a run without the wrapper does, so "first_attempt_oom" (claims that were retried or
 failed) is what a run without --retry would have counted, and "models_without_oom" the
 models with claims where no first attempt ran out of memory. max_abs_error is the largest |predicted -
@@ -33,7 +35,7 @@ Usage: python benchmarks/fits_means_trains.py [--models NAME ...] [--cap-mb N]
 --merge combines runs over disjoint sets of models (the logs of `--json` runs, e.g.
 the same command run on two machines or in two processes) into one summary.
 With --json, the last line of stdout is one JSON object:
-{"models", "claims", "fits_but_oom", "trained_after_retry", "first_attempt_oom",
+{"models", "claims", "fits_but_oom", "trained_after_retry", "calibrated", "first_attempt_oom",
  "models_without_oom", "max_abs_error",
  "failures": [{"model", "batch", "predicted", "error"}], "per_model": {...}}.
 """
@@ -100,9 +102,11 @@ def make_step(size, model, retry=False):
         if not retry:
             return np.float64(loss), np.float64(peak)
         # With --retry, a third output: the re-plans so far (the wrapper's
-        # retries_done; 0 without a wrapper).
+        # retries_done; 0 without a wrapper); a fourth: the re-plans of steps that
+        # measured over their budget without running out of memory (its calibrator).
         done = len(getattr(wrapped, "retries_done", None) or [])
-        return np.float64(loss), np.float64(peak), np.float64(done)
+        calibrated = len(getattr(getattr(wrapped, "calibrator", None), "done", None) or [])
+        return np.float64(loss), np.float64(peak), np.float64(done), np.float64(calibrated)
 
     return measured_step, args
 
@@ -222,6 +226,7 @@ def sweep(model, cap_mb, lo, growth, max_sizes, steps, retry, log, tolerance=0.0
         # Each step's own peak (the first step also builds and optimizes the graph).
         step_peaks = [o[1] for o in trial.outputs if len(o) >= 2]
         replans = max((int(o[2]) for o in trial.outputs if len(o) >= 3), default=0)
+        calibrations = max((int(o[3]) for o in trial.outputs if len(o) >= 4), default=0)
         measured = max(step_peaks[1:] or step_peaks) if step_peaks else None
         analyzed = False
         if report is None and trial.status == "oom":
@@ -232,7 +237,8 @@ def sweep(model, cap_mb, lo, growth, max_sizes, steps, retry, log, tolerance=0.0
             analyzed = fits is not None
         row = {"batch": size, "status": trial.status, "fits": fits, "predicted": predicted,
                "measured": measured, "trial_peak": trial.peak_bytes,
-               "retried": replans > 0 or _retried(report), "analyzed": analyzed,
+               "retried": replans > 0 or _retried(report), "calibrations": calibrations,
+               "analyzed": analyzed,
                "error": trial.error[:300] if trial.error else ""}
         if trial.status == "ok" and predicted and measured:
             row["rel_error"] = (predicted - measured) / measured
@@ -270,6 +276,9 @@ def summarize(per_model, retry):
         "claims": len(claims),
         "fits_but_oom": len(failures),
         "trained_after_retry": sum(1 for c in claims if c["status"] == "ok" and c["retried"]),
+        # Claims whose step measured over its budget and was re-planned lower for the
+        # next steps (the wrapper's calibrator, with --retry).
+        "calibrated": sum(1 for c in claims if c.get("calibrations")),
         "first_attempt_oom": sum(first_oom.values()),
         "models_without_oom": sorted(m for m, r in per_model.items()
                                      if r.get("claims") and first_oom[m] == 0),
@@ -283,7 +292,8 @@ def summarize(per_model, retry):
 def report(summary, log):
     log(f"{summary['claims']} claims on {summary['models']} models: "
         f"{summary['fits_but_oom']} ran out of memory, {summary['trained_after_retry']} "
-        f"trained after a retry; max |error| {summary['max_abs_error']}")
+        f"trained after a retry, {summary.get('calibrated', 0)} re-planned after measuring "
+        f"over their budget; max |error| {summary['max_abs_error']}")
     log(f"first attempts out of memory: {summary['first_attempt_oom']}; models with claims "
         f"and none: {len(summary['models_without_oom'])} "
         f"({', '.join(summary['models_without_oom'])})")
