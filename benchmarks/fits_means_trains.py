@@ -105,7 +105,8 @@ def make_step(size, model, retry=False):
         # retries_done; 0 without a wrapper); a fourth: the re-plans of steps that
         # measured over their budget without running out of memory (its calibrator).
         done = len(getattr(wrapped, "retries_done", None) or [])
-        calibrated = len(getattr(getattr(wrapped, "calibrator", None), "done", None) or [])
+        calibrated = sum(1 for c in getattr(getattr(wrapped, "calibrator", None), "done", [])
+                         if not c.get("reverted"))
         return np.float64(loss), np.float64(peak), np.float64(done), np.float64(calibrated)
 
     return measured_step, args

@@ -269,7 +269,9 @@ if mode != "plain":
                     min_tensor_bytes=min_tensor_bytes)
     step = tfmemopt.function(step.python_function, guard_steps=10,
                              input_signature=[tf.TensorSpec([None, 256])])
-losses = [float(step(x)).hex() for _ in range(4)]
+# Call 1 plans (not judged), 2 measures over the budget, 3 re-plans, 4 judges the
+# calibration, 5 runs what was decided (after an undo, on a fresh trace).
+losses = [float(step(x)).hex() for _ in range(5)]
 out = {"losses": losses, "weights": [w.numpy().tobytes().hex()[:4096] for w in ws]}
 if mode != "plain":
     report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")][-1]
@@ -287,8 +289,10 @@ def test_a_step_over_its_budget_on_paper_is_replanned_under_the_measured_error()
     [calibration] = run["calibrations"]
     measured = calibration["measured_step_bytes"]
     assert calibration["predicted_peak_bytes"] <= BUDGET_ON_PAPER < measured
-    error = measured - calibration["predicted_peak_bytes"]
-    assert calibration["new_budget_bytes"] == BUDGET_ON_PAPER - error
+    predicted = calibration["predicted_peak_bytes"]
+    # Down by the error, or to the budget scaled by predicted / measured if that is more.
+    assert calibration["new_budget_bytes"] == max(BUDGET_ON_PAPER - (measured - predicted),
+                                                  int(BUDGET_ON_PAPER * predicted / measured))
     assert "re-planning the next calls under" in log
     # The plan that runs now is the calibrated one, and it lowered the measured peak by
     # at least half of what it predicted to save (else it would have been undone).
@@ -317,7 +321,8 @@ def test_a_calibration_that_saves_nothing_is_undone():
 @pytest.mark.parametrize("budget, predicted, peak, in_use_before, persistent, want", [
     (100, 90, 95, 10, 10, None),   # measured within the budget: nothing to do
     (1000, 900, 1010, 10, 10, None),  # 1 % over: within the tolerance
-    (100, 90, 115, 10, 10, 75),    # 15 over: the budget goes down by the error, 25
+    (100, 90, 115, 10, 10, 78),    # 15 over: down by the error (25) or to 100 * 90 / 115
+    (100, 90, 200, 10, 10, 45),    # a step twice its prediction: 100 * 90 / 200, not -10
     (100, 90, 115, 25, 10, None),  # of which 15 held outside the step: not its own
     (100, 110, 130, 10, 10, None), # the plan did not claim to meet its budget
 ])
@@ -355,9 +360,30 @@ print("RESULT " + json.dumps([[r.graph_id, r.measured_peak_bytes] for r in callb
 
 def test_a_train_step_traced_anew_for_a_partial_batch_is_measured():
     """Keras traces the train step again for the partial last batch (with an unknown
-    batch dimension, which then serves every batch): that graph is a new plan, and its
-    first steps are guarded and measured as the first plan's are."""
+    batch dimension): that graph is a new plan, and its first steps are guarded and
+    measured as the first plan's are."""
     graphs, _ = _result(run_python(_PARTIAL_BATCH, env=_capped(1024)))
     assert len(graphs) == 2, graphs  # the full batches' trace and the partial batch's
     for graph_id, measured in graphs:
         assert measured and measured["CPU:0"] > 0, graph_id
+
+
+def test_a_calibration_is_judged_on_its_own_graph_and_shapes_only():
+    class Planned:
+        graph_id = "step"
+        budget_bytes = {"CPU:0": 100}
+        predicted_peak_bytes = {"after": {"CPU:0": 90}}
+        persistent_bytes = {"CPU:0": 0}
+
+    class Replanned(Planned):
+        predicted_peak_bytes = {"after": {"CPU:0": 70}}
+
+    calibrator = feedback.Calibrator(limit=3)
+    run = lambda report, peak, key, planned=False: calibrator.after_step(  # noqa: E731
+        "the step", report, {"CPU:0": peak}, {"CPU:0": 0}, key=key, planned=planned)
+    assert run(Planned, 200, "a", planned=True) is None  # a call that planned: not judged
+    assert run(Planned, 115, "a") == {"budget_bytes": 78, "retrace": False}
+    assert run(Replanned, 50, "b") is None      # a batch of another shape: not the judge
+    assert run(Replanned, 114, "a") == {"budget_bytes": 100, "retrace": True}  # saved 1 of 20
+    assert calibrator.done[0]["reverted"]
+    assert run(Planned, 130, "a") is None       # undone once: no more calibrations

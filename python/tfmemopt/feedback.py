@@ -192,6 +192,14 @@ def step_own_peak(report, device, peak, in_use_before):
     return max(0, peak - outside)
 
 
+def report_count():
+    """How many reports the pass has made in this process: a call after which it grew
+    planned a graph (TF traced or re-instantiated the function during the call)."""
+    from tfmemopt import _ext
+
+    return len(_ext.reports())
+
+
 class Calibrator:
     """Re-plans a step whose measured peak went over the budget its plan said it met.
 
@@ -199,12 +207,20 @@ class Calibrator:
     model, the allocator fragmented, the batch was not the one assumed), and the next
     step that peaks a little higher runs out of memory, past the guarded steps, where
     it cannot be retried. So when a guarded step's own peak (step_own_peak) exceeds the
-    budget (by more than CALIBRATION_TOLERANCE), the next plan is made under the budget
-    less the measured error. If that plan does not lower the measured peak by at least
-    half of what it predicted to save, the error is memory the plan cannot act on (a
-    shape the model does not know, a kernel's scratch): the budget before the
-    calibration comes back and no more calibrations are made. At most `limit`
-    calibrations; each is logged, and listed in `done`.
+    budget (by more than CALIBRATION_TOLERANCE), the steps after it are planned under
+    the budget less the measured error, and never below the budget scaled by
+    predicted / measured (an error that grows with the step, such as a batch larger
+    than assumed, would otherwise take the budget to nothing). If that plan does not
+    lower the measured peak by at least half of what it predicted to save, the error
+    is memory the plan cannot act on (a shape the model does not know, a kernel's
+    scratch): the budget before the calibration comes back, on a fresh trace, and no
+    more calibrations are made. At most `limit` calibrations; each is logged, and
+    listed in `done` (an undone one with "reverted": True).
+
+    Only calls that planned nothing are judged: the call that traces or
+    re-instantiates a function also runs Grappler, whose constant folding allocates on
+    the CPU, and, on a GPU, autotunes kernels with scratch memory. A calibration is
+    judged by the next such call of the same graph with the same input shapes (`key`).
     """
 
     def __init__(self, limit):
@@ -213,21 +229,33 @@ class Calibrator:
         self._pending = None  # the calibration whose first measurement is awaited
         self._stopped = False
 
-    def after_step(self, what, report, peaks, in_use_before):
+    def after_step(self, what, report, peaks, in_use_before, key=None, planned=False):
         """After a guarded step that succeeded: None, or {"budget_bytes": the budget
         (bytes, the step's own) to re-plan the step under, "retrace": whether to trace
-        the step afresh for it}.
-        `peaks`, `in_use_before`: {device: bytes} measured around the step."""
-        over = self._overshoot(report, peaks, in_use_before)
-        pending, self._pending = self._pending, None
+        the step afresh for it}. `peaks`, `in_use_before`: {device: bytes} measured
+        around the step; `key`: what identifies the step's graph and input shapes;
+        `planned`: whether a graph was planned during the step (see the class)."""
+        if planned:
+            return None
+        pending = self._pending
         if pending is not None:
-            if self._did_not_help(pending, report, peaks, in_use_before):
+            if pending["graph_id"] != report.graph_id or pending["key"] != key:
+                return None  # another graph or batch shape: wait for the calibrated one
+            verdict = self._verdict(pending, report, peaks, in_use_before)
+            if verdict is None:
+                return None
+            self._pending = None
+            if verdict == "undo":
                 # The budget that plan had, in bytes, with a fresh trace: under a config
                 # TF has instantiated before, the step would run the old instantiation
                 # while the latest report would be the calibrated plan's.
                 return {"budget_bytes": pending["budget_bytes"], "retrace": True}
-        if over is None or self._stopped or len(self.done) >= self.limit:
+        if self._stopped or len(self.done) >= self.limit:
             return None
+        over = self._overshoot(report, peaks, in_use_before)
+        if over is None:
+            return None
+        over["key"] = key
         self.done.append(over)
         self._pending = over
         mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
@@ -249,6 +277,9 @@ class Calibrator:
     def _overshoot(report, peaks, in_use_before):
         """The calibration record of the device most over its budget, or None."""
         worst = None
+        # One budget in bytes is given to every device: never more than the least of
+        # theirs, so that no device is planned above its own.
+        least = min((b for b in report.budget_bytes.values() if b), default=None)
         for device, peak in peaks.items():
             budget = report.budget_bytes.get(device)
             predicted = report.predicted_peak_bytes["after"].get(device)
@@ -257,26 +288,28 @@ class Calibrator:
             own = step_own_peak(report, device, peak, in_use_before.get(device, 0))
             if own <= budget * (1 + CALIBRATION_TOLERANCE):
                 continue
+            new = max(budget - (own - predicted), int(budget * predicted / own))
             record = {"graph_id": report.graph_id, "device": device,
-                      "budget_bytes": budget, "predicted_peak_bytes": predicted,
-                      "measured_step_bytes": own,
-                      "new_budget_bytes": max(1, budget - (own - predicted))}
+                      "budget_bytes": min(budget, least), "predicted_peak_bytes": predicted,
+                      "measured_step_bytes": own, "new_budget_bytes": min(new, least)}
             if worst is None or (own - budget
                                  > worst["measured_step_bytes"] - worst["budget_bytes"]):
                 worst = record
         return worst
 
-    def _did_not_help(self, pending, report, peaks, in_use_before):
+    def _verdict(self, pending, report, peaks, in_use_before):
+        """"keep" or "undo" for the calibration `pending`, judged by this step; None
+        when this step does not tell."""
         device = pending["device"]
-        if device not in peaks:
-            return False
+        predicted = report.predicted_peak_bytes["after"].get(device)
+        if device not in peaks or not predicted:
+            return None
         own = step_own_peak(report, device, peaks[device], in_use_before.get(device, 0))
-        predicted = report.predicted_peak_bytes["after"].get(device) or 0
         saved_on_paper = pending["predicted_peak_bytes"] - predicted
         saved = pending["measured_step_bytes"] - own
         pending["measured_after_bytes"] = own
         if saved_on_paper > 0 and saved >= saved_on_paper / 2:
-            return False
+            return "keep"
         self._stopped = pending["reverted"] = True
         tf.get_logger().warning(
             "tfmemopt: graph %s on %s: the plan under the calibrated budget saved %.1f MiB "
@@ -284,7 +317,7 @@ class Calibrator:
             "before the calibration (%.1f MiB) comes back, and calibrations stop: the "
             "model's error here is memory the plan cannot act on", report.graph_id, device,
             saved_on_paper / 2**20, saved / 2**20, own / 2**20, pending["budget_bytes"] / 2**20)
-        return True
+        return "undo"
 
 
 class VariableSnapshot:

@@ -136,7 +136,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
         # Re-plans of steps that measured over their budget without running out of memory.
         self.calibrator = feedback.Calibrator(retries)
         self._steps_since_plan = 0
-        self._batch_shapes = None  # of the last step's batches
+        # The train graph that ran batches of each shape in this fit (None: not known yet).
+        self._graph_of_shapes = {}
         self._budget = budget
         self._fields = fields
         self.plot_to = plot_to
@@ -179,7 +180,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._test_graphs = set()
         self._fit_fields = fields
         # This fit traces its own train step: a new plan, whose first steps are guarded.
-        self._steps_since_plan, self._batch_shapes = 0, None
+        self._steps_since_plan, self._graph_of_shapes = 0, {}
+        self.calibrator.replanned()
         self._enable()
         self._active = True
         self._build_optimizer()
@@ -251,14 +253,14 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 break
         if not batches:
             raise StopIteration
-        shapes = [tuple(t.shape) for t in tf.nest.flatten(batches) if hasattr(t, "shape")]
-        if shapes != self._batch_shapes:
-            # A batch of another shape (a partial last batch, then the full ones again)
-            # may trace the step anew, with a batch dimension the plan no longer knows:
-            # a new plan, guarded and measured as after a re-plan.
-            if self._batch_shapes is not None:
-                self._steps_since_plan = 0
-            self._batch_shapes = shapes
+        shapes = tuple(tuple(t.shape) for t in tf.nest.flatten(batches) if hasattr(t, "shape"))
+        if shapes not in self._graph_of_shapes:
+            # Batches of a shape this fit has not run yet (the first ones, a partial
+            # last batch) may have Keras trace the step anew (for the partial batch,
+            # with an unknown batch dimension): a new plan, guarded and measured as
+            # after a re-plan.
+            self._graph_of_shapes[shapes] = None
+            self._steps_since_plan = 0
         while True:
             guarded = self._steps_since_plan < self.guard_steps
             snapshot = devices = None
@@ -267,10 +269,11 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 devices = feedback.memory_devices(None)
                 feedback.reset_peaks(devices)
                 in_use_before = feedback.read_in_use(devices)
+                reports_before = feedback.report_count()
             try:
                 logs = self._step(batches)
             except tf.errors.ResourceExhaustedError as error:
-                report = self._latest_report()
+                report = self._report_for(shapes)
                 if report is None:
                     raise
                 if snapshot is None:
@@ -292,12 +295,18 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 continue
             self._steps_since_plan += 1
             if devices:
-                report = self._latest_report()
+                planned = feedback.report_count() > reports_before
+                if planned:  # this step traced (or re-instantiated) the graph it ran
+                    latest = self._latest_report()
+                    if latest is not None:
+                        self._graph_of_shapes[shapes] = latest.graph_id
+                report = self._report_for(shapes)
                 if report is not None:
                     peaks = feedback.read_peaks(devices)
                     feedback.record_measured_peak(report, peaks)
                     replan = self.calibrator.after_step(
-                        "the next batches", report, peaks, in_use_before)
+                        "the next batches", report, peaks, in_use_before, key=shapes,
+                        planned=planned)
                     if replan:
                         self.budget_bytes = replan["budget_bytes"]
                         self._steps_since_plan = 0
@@ -311,6 +320,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self.model.make_train_function(force=True)
         self._step = self.model.train_function
         self.model.train_function = self._wrapper
+        self._graph_of_shapes = {}  # the new function's graphs are traced anew
 
     def _build_optimizer(self):
         """Creates the optimizer's variables now if Keras would create them in the
@@ -335,6 +345,18 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 if any(g in r.graph_id for g in _TRAIN_GRAPHS)
                 and r.graph_id not in self._before and r.graph_id not in self._test_graphs]
         return mine[-1] if mine else None
+
+    def _report_for(self, shapes):
+        """The report of the graph that runs batches of `shapes`. Keras keeps a graph
+        per input signature it traced: after a partial last batch has traced one with
+        an unknown batch dimension, the full batches still run the first, so the
+        latest report is not always the graph that ran."""
+        graph_id = self._graph_of_shapes.get(shapes)
+        latest = self._latest_report()
+        if graph_id is None or latest is None or latest.graph_id == graph_id:
+            return latest
+        mine = [r for r in tfmemopt.reports() if r.graph_id == graph_id]
+        return mine[-1] if mine else latest
 
     def _lower_budget(self, report, error, peaks, retrying=True):
         self.budget_bytes = feedback.replan("the batch", report, error, peaks,

@@ -19,8 +19,9 @@ pass with the config of tfmemopt.enable(); in addition:
   budget applies to this function only and is kept for its later calls;
 * when one of those calls succeeds but its own measured peak exceeds the budget its
   plan met on paper, the function is re-planned for the next calls under the budget
-  less the measured error (feedback.Calibrator: at most `retries` times, undone if it
-  does not lower the measured peak; listed in `calibrator.done`).
+  less the measured error (feedback.Calibrator: at most `retries` times, undone on a
+  fresh trace if the next call measures less than half of what the new plan predicted
+  to save; listed in `calibrator.done`).
 """
 
 import functools
@@ -93,6 +94,7 @@ class Function:
                 devices = feedback.memory_devices(self._devices(concrete))
                 feedback.reset_peaks(devices)
                 in_use_before = feedback.read_in_use(devices)
+                reports_before = feedback.report_count()
             try:
                 with self._own_budget(config):
                     result = self._function(*args, **kwargs)
@@ -116,8 +118,12 @@ class Function:
                 if report is not None:
                     peaks = feedback.read_peaks(devices)
                     feedback.record_measured_peak(report, peaks)
+                    shapes = tuple(tuple(t.shape) for t in tf.nest.flatten((args, kwargs))
+                                   if isinstance(t, tf.Tensor))
                     replan = self.calibrator.after_step(
-                        "the next calls", report, peaks, in_use_before)
+                        "the next calls", report, peaks, in_use_before,
+                        key=(self._graph_name(concrete), shapes),
+                        planned=feedback.report_count() > reports_before)
                     if replan:
                         self.budget_bytes = replan["budget_bytes"]
                         self._calls_since_plan = 0
@@ -136,9 +142,13 @@ class Function:
         return _eager_context.thread_config_edit(
             lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
 
+    @staticmethod
+    def _graph_name(concrete):
+        name = concrete.name
+        return name.decode() if isinstance(name, bytes) else name
+
     def _report(self, args, kwargs):
-        name = self._function.get_concrete_function(*args, **kwargs).name
-        name = name.decode() if isinstance(name, bytes) else name
+        name = self._graph_name(self._function.get_concrete_function(*args, **kwargs))
         mine = [r for r in tfmemopt.reports() if r.graph_id == name]
         return mine[-1] if mine else None
 
