@@ -387,3 +387,66 @@ def test_a_calibration_is_judged_on_its_own_graph_and_shapes_only():
     assert run(Replanned, 114, "a") == {"budget_bytes": 100, "retrace": True}  # saved 1 of 20
     assert calibrator.done[0]["reverted"]
     assert run(Planned, 130, "a") is None       # undone once: no more calibrations
+
+
+_KERAS_REPLAN = r'''
+import json, sys
+import numpy as np
+import keras
+import tfmemopt
+from tfmemopt import feedback
+from tfmemopt.keras import MemoryOptimizer
+mode, budget = sys.argv[1], int(sys.argv[2])
+
+
+class Decided(feedback.Calibrator):
+    """Decides, at the first step it may judge, to re-plan under `budget` on a fresh
+    trace (what an undone calibration does), and nothing after."""
+
+    def after_step(self, what, report, peaks, in_use_before, key=None, planned=False):
+        if planned or self.done:
+            return None
+        self.done.append({"judged": report.graph_id})
+        return {"budget_bytes": budget, "retrace": True}
+
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((256,))] +
+                         [keras.layers.Dense(256, activation="relu") for _ in range(24)] +
+                         [keras.layers.Dense(1)])
+model.compile(keras.optimizers.Adam(1e-3), "mse")
+rng = np.random.default_rng(0)
+x = rng.standard_normal((4 * 1024, 256)).astype(np.float32)
+y = rng.standard_normal((4 * 1024, 1)).astype(np.float32)
+callbacks = []
+if mode == "replan":
+    callback = MemoryOptimizer(budget=1 << 30, enable_split=False, log_level=0,
+                               print_report=False)
+    callback.calibrator = Decided(3)
+    callbacks = [callback]
+history = model.fit(x, y, batch_size=1024, epochs=2, shuffle=False, verbose=0,
+                    callbacks=callbacks)
+out = {"losses": [float(l).hex() for l in history.history["loss"]],
+       "weights": [w.numpy().tobytes().hex()[:4096] for w in model.weights]}
+if mode == "replan":
+    out.update(judged=callback.calibrator.done,
+               graphs=[[r.graph_id, r.budget_bytes["CPU:0"],
+                        r.predicted_peak_bytes["after"]["CPU:0"]] for r in callback.reports])
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_the_keras_callback_carries_out_a_calibrators_replan_on_a_fresh_trace():
+    """What the callback does with a calibrator's decision: the next batches run a new
+    train function, traced under the decided budget behind the callback's wrapper; the
+    fit goes on and its results are those of a fit without tfmemopt."""
+    budget = 20_000_000  # below the step's 35.5 MiB prediction: the new plan lowers it
+    plain, _ = _result(run_python(_KERAS_REPLAN, "plain", 0, env=_capped(1024)))
+    run, _ = _result(run_python(_KERAS_REPLAN, "replan", budget, env=_capped(1024)))
+    [judged] = run["judged"]
+    first, *later = run["graphs"]
+    assert first[0] == judged["judged"] and first[1] == 1 << 30
+    assert later, "no new trace after the decision"
+    assert all(g[0] != first[0] and g[1] == budget and g[2] < first[2] for g in later), later
+    assert run["losses"] == plain["losses"]
+    assert run["weights"] == plain["weights"]
