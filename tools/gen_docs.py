@@ -333,6 +333,9 @@ def fits_means_trains(record):
         lines += ["", f"First attempts that ran out of memory (what the same run without "
                       f"`--retry` counts): {num(r['first_attempt_oom'])}; models with claims and "
                       f"none: {len(clean)} ({', '.join(clean) or 'none'})."]
+    if r.get("retry") and "calibrated" in r:
+        lines += ["", f"Claims whose step measured over its budget, so that the steps after "
+                      f"it were planned lower (calibrations kept): {num(r['calibrated'])}."]
     return lines
 
 
