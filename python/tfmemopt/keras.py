@@ -216,11 +216,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         if not self._active:
             return
         self._restore()
-        self.reports = [
-            r for r in tfmemopt.reports()
-            if any(g in r.graph_id for g in _TRAIN_GRAPHS) and r.graph_id not in self._before
-            and r.graph_id not in self._test_graphs
-        ]
+        self.reports = self._my_reports()
         self.report = self.reports[-1] if self.reports else None
         if self.report is None:
             _logger().warning("tfmemopt: no report for the train step of this fit")
@@ -296,11 +292,10 @@ class MemoryOptimizer(keras.callbacks.Callback):
             self._steps_since_plan += 1
             if devices:
                 planned = feedback.report_count() > reports_before
-                if planned:  # this step traced (or re-instantiated) the graph it ran
-                    latest = self._latest_report()
-                    if latest is not None:
-                        self._graph_of_shapes[shapes] = latest.graph_id
-                report = self._report_for(shapes)
+                mine = self._my_reports()
+                if planned and mine:  # this step traced (or re-instantiated) its graph
+                    self._graph_of_shapes[shapes] = mine[-1].graph_id
+                report = self._report_for(shapes, mine)
                 if report is not None:
                     peaks = feedback.read_peaks(devices)
                     feedback.record_measured_peak(report, peaks)
@@ -340,23 +335,23 @@ class MemoryOptimizer(keras.callbacks.Callback):
             variables += list(optimizer.variables)
         return variables
 
-    def _latest_report(self):
-        mine = [r for r in tfmemopt.reports()
+    def _my_reports(self):
+        """This fit's train step reports (not validation's, not earlier fits'), oldest
+        first."""
+        return [r for r in tfmemopt.reports()
                 if any(g in r.graph_id for g in _TRAIN_GRAPHS)
                 and r.graph_id not in self._before and r.graph_id not in self._test_graphs]
-        return mine[-1] if mine else None
 
-    def _report_for(self, shapes):
-        """The report of the graph that runs batches of `shapes`. Keras keeps a graph
-        per input signature it traced: after a partial last batch has traced one with
-        an unknown batch dimension, the full batches still run the first, so the
-        latest report is not always the graph that ran."""
+    def _report_for(self, shapes, mine=None):
+        """The report of the graph that runs batches of `shapes` (of `mine`, this fit's
+        reports), else the latest. Keras keeps a graph per input signature it traced:
+        after a partial last batch has traced one with an unknown batch dimension, the
+        full batches still run the first, so the latest report is not always the graph
+        that ran."""
+        mine = self._my_reports() if mine is None else mine
         graph_id = self._graph_of_shapes.get(shapes)
-        latest = self._latest_report()
-        if graph_id is None or latest is None or latest.graph_id == graph_id:
-            return latest
-        mine = [r for r in tfmemopt.reports() if r.graph_id == graph_id]
-        return mine[-1] if mine else latest
+        same = [r for r in mine if r.graph_id == graph_id]
+        return (same or mine or [None])[-1]
 
     def _lower_budget(self, report, error, peaks, retrying=True):
         self.budget_bytes = feedback.replan("the batch", report, error, peaks,
