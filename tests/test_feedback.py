@@ -450,3 +450,17 @@ def test_the_keras_callback_carries_out_a_calibrators_replan_on_a_fresh_trace():
     assert all(g[0] != first[0] and g[1] == budget and g[2] < first[2] for g in later), later
     assert run["losses"] == plain["losses"]
     assert run["weights"] == plain["weights"]
+
+
+def test_a_calibration_follows_the_device_most_over_its_own_budget():
+    class Planned:  # two devices of different budgets, the second listed first
+        graph_id = "step"
+        budget_bytes = {"GPU:0": 50, "GPU:1": 100}
+        predicted_peak_bytes = {"after": {"GPU:0": 45, "GPU:1": 95}}
+        persistent_bytes = {"GPU:0": 0, "GPU:1": 0}
+
+    replan = feedback.Calibrator(limit=3).after_step(
+        "the step", Planned, {"GPU:1": 105, "GPU:0": 60}, {"GPU:1": 0, "GPU:0": 0})
+    # GPU:0 is 10 over its 50, GPU:1 5 over its 100: GPU:0's error sets the budget,
+    # max(50 - 15, 50 * 45 / 60) = 37, which is below GPU:1's too.
+    assert replan == {"budget_bytes": 37, "retrace": False}

@@ -276,7 +276,7 @@ class Calibrator:
     @staticmethod
     def _overshoot(report, peaks, in_use_before):
         """The calibration record of the device most over its budget, or None."""
-        worst = None
+        worst, worst_excess = None, 0
         # One budget in bytes is given to every device: never more than the least of
         # theirs, so that no device is planned above its own.
         least = min((b for b in report.budget_bytes.values() if b), default=None)
@@ -292,9 +292,9 @@ class Calibrator:
             record = {"graph_id": report.graph_id, "device": device,
                       "budget_bytes": min(budget, least), "predicted_peak_bytes": predicted,
                       "measured_step_bytes": own, "new_budget_bytes": min(new, least)}
-            if worst is None or (own - budget
-                                 > worst["measured_step_bytes"] - worst["budget_bytes"]):
-                worst = record
+            # Over its own budget, not the least one the record carries.
+            if own - budget > worst_excess:
+                worst, worst_excess = record, own - budget
         return worst
 
     def _verdict(self, pending, report, peaks, in_use_before):
