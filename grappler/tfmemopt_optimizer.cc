@@ -191,6 +191,14 @@ void FillDeviceFigures(const TensorTable& table, const DeviceTimeline& timeline,
   device->peak_step = timeline.peak_step;
   device->allocator_refused_bytes = timeline.allocator_refused_bytes;
   device->allocator_refused = timeline.allocator_refused;
+  device->allocator_history_peaks.clear();
+  device->allocator_history.clear();
+  if (!timeline.allocator_history_peak_bytes.empty()) {
+    device->allocator_history = ResidentHistoryName(timeline.allocator_history);
+    for (const auto& [history, peak] : timeline.allocator_history_peak_bytes) {
+      device->allocator_history_peaks.emplace_back(ResidentHistoryName(history), peak);
+    }
+  }
   device->top_tensors_at_peak.clear();
   FillPeakTensors(table, timeline, device);
 }

@@ -163,9 +163,22 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
     return status;
   }
   const auto built = std::chrono::steady_clock::now();
-  status = Simulate(work_, out->order,
-                    allocator_ ? ctx_.options.simulation : SimulationOptions(),
-                    &out->simulation);
+  // Replaying every allocator history for every candidate would cost the search one
+  // replay per history; the worst one so far stands for them until a plan fits it.
+  // Then the plan is judged on all of them, so that a plan the search takes as
+  // fitting fits every history, as the report will say.
+  const SimulationOptions& all = allocator_ ? ctx_.options.simulation : SimulationOptions();
+  SimulationOptions one = all;
+  if (all.allocator_histories.size() > 1) one.allocator_histories = {worst_history_};
+  status = Simulate(work_, out->order, one, &out->simulation);
+  if (status.ok() && all.allocator_histories.size() > 1 &&
+      Judge(out->simulation, ctx_.options.budget_bytes).fits()) {
+    status = Simulate(work_, out->order, all, &out->simulation);
+    const int worst = Judge(out->simulation, ctx_.options.budget_bytes).worst_device;
+    if (status.ok() && worst >= 0) {
+      worst_history_ = out->simulation.devices[worst].allocator_history;
+    }
+  }
   Unapply();
   if (!status.ok()) return status;
   ++plan_->simulations;

@@ -135,6 +135,10 @@ class Planner {
   PinnedOrder pinned_;
   std::vector<int> pinned_order_;
   double rewrite_seconds_ = 0, simulate_seconds_ = 0;
+  // The allocator history (SimulationOptions::allocator_histories) that was worst at
+  // the last plan that fitted it: the search replays it alone, and every history
+  // only for a plan that fits it (EvaluateAs).
+  ResidentHistory worst_history_ = ResidentHistory::kGraphOrder;
 };
 
 }  // namespace tfmemopt

@@ -172,6 +172,13 @@ std::string MemoryReport::ToJson() const {
         << ",\"max_op_working_set_op\":" << Quote(d.max_op_working_set_op)
         << ",\"allocator_refused_bytes\":" << d.allocator_refused_bytes
         << ",\"allocator_refused\":" << Quote(d.allocator_refused)
+        << ",\"allocator_history\":" << Quote(d.allocator_history)
+        << ",\"allocator_history_peaks\":{";
+    for (size_t j = 0; j < d.allocator_history_peaks.size(); ++j) {
+      out << (j ? "," : "") << Quote(d.allocator_history_peaks[j].first) << ":"
+          << d.allocator_history_peaks[j].second;
+    }
+    out << "}"
         << ",\"held_outside_bytes\":" << d.held_outside_bytes
         << ",\"top_tensors_at_peak\":[";
     for (size_t j = 0; j < d.top_tensors_at_peak.size(); ++j) {

@@ -48,6 +48,11 @@ struct DeviceReport {
   // bytes: none): TF would run out of memory there even below the limit.
   int64_t allocator_refused_bytes = 0;
   std::string allocator_refused;
+  // The allocator histories replayed before the step (ResidentHistory in
+  // simulate/liveness_simulator.h), each with its peak (0: it refused), and the
+  // worst, which the allocator figures above describe.
+  std::vector<std::pair<std::string, int64_t>> allocator_history_peaks;
+  std::string allocator_history;
   // What the device's allocator held when the graph was planned that is not the
   // graph's persistent buffers or inputs: memory the step cannot use, taken from
   // budget_bytes when count_memory_held_outside applies (else 0).

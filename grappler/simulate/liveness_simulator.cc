@@ -423,12 +423,31 @@ class AllocatorListener : public Listener {
         device_of_buffer_(device_of_buffer), device_(device), allocator_(allocator),
         chunk_(table.buffers.size(), -2), old_copies_(table.buffers.size()) {}
 
-  // Variables, constants and the caller's inputs exist before the step.
-  void AllocateResident() {
+  // Variables, constants and the caller's inputs exist before the step; `history`
+  // says in which order they were made, and how.
+  void AllocateResident(ResidentHistory history) {
+    std::vector<int> resident;
     for (size_t b = 0; b < table_.buffers.size(); ++b) {
       if ((table_.buffers[b].persistent || table_.buffers[b].external) && Mine(b)) {
-        chunk_[b] = Allocate(b);
+        resident.push_back(static_cast<int>(b));
       }
+    }
+    if (history == ResidentHistory::kReverseGraphOrder) {
+      std::reverse(resident.begin(), resident.end());
+    } else if (history == ResidentHistory::kLargestFirst) {
+      std::stable_sort(resident.begin(), resident.end(), [&](int a, int b) {
+        return table_.buffers[a].bytes > table_.buffers[b].bytes;
+      });
+    }
+    for (int b : resident) {
+      // An eager initializer computes the value, then the variable is allocated and
+      // assigned from it, and the value's tensor goes.
+      const int64_t initial_value =
+          history == ResidentHistory::kInitialValueTemporaries && table_.buffers[b].persistent
+              ? allocator_->Allocate(table_.buffers[b].bytes)
+              : -2;
+      chunk_[b] = Allocate(b);
+      allocator_->Free(initial_value);
     }
   }
   // Frees what a step left behind (fetched outputs, old variable copies).
@@ -866,32 +885,48 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     replay.Run(device.peak_step, &peak);
   }
 
-  // The allocator model: resident buffers first, then warm-up steps (which shape
-  // BFC's regions, as the first real steps do), then the measured steps.
+  // The allocator model, once per history: resident buffers first, then warm-up
+  // steps (which shape BFC's regions, as the first real steps do), then the measured
+  // steps. The worst history is kept.
   const int warmup = std::max(options.warmup_steps, 0);
   const int measured = std::max(options.measured_steps, 1);
   for (int d = 0; d < num_devices && d < static_cast<int>(options.bfc_memory_limit.size()); ++d) {
     if (options.bfc_memory_limit[d] <= 0) continue;
-    BfcAllocatorModel allocator(options.bfc_memory_limit[d]);
-    AllocatorListener listener(table, order, device_of_node, device_of_buffer, d, &allocator);
-    listener.AllocateResident();
     DeviceTimeline& device = result->devices[d];
-    for (int step = 0; step < warmup + measured; ++step) {
-      allocator.ResetPeak();
-      listener.set_log(step == warmup + measured - 1);
-      listener.set_measuring(step >= warmup);
-      replay.Run(order.size(), &listener);
-      listener.EndStep();
-      if (step < warmup) continue;
-      device.allocator_step_peak_bytes.push_back(allocator.peak_bytes_in_use());
-      device.allocator_peak_bytes =
-          std::max(device.allocator_peak_bytes, allocator.peak_bytes_in_use());
+    bool first = true;
+    for (ResidentHistory history : options.allocator_histories) {
+      BfcAllocatorModel allocator(options.bfc_memory_limit[d]);
+      AllocatorListener listener(table, order, device_of_node, device_of_buffer, d, &allocator);
+      listener.AllocateResident(history);
+      std::vector<int64_t> step_peaks;
+      int64_t peak = 0;
+      for (int step = 0; step < warmup + measured; ++step) {
+        allocator.ResetPeak();
+        // benchmarks/trace_step_memory.py reads one replay: the first history's.
+        listener.set_log(first && step == warmup + measured - 1);
+        listener.set_measuring(step >= warmup);
+        replay.Run(order.size(), &listener);
+        listener.EndStep();
+        if (step < warmup) continue;
+        step_peaks.push_back(allocator.peak_bytes_in_use());
+        peak = std::max(peak, allocator.peak_bytes_in_use());
+      }
+      const bool refused = listener.refused_bytes() > 0;
+      device.allocator_history_peak_bytes.emplace_back(history, refused ? 0 : peak);
+      const bool worse = first || (refused && device.allocator_refused_bytes <= 0) ||
+                         (refused == (device.allocator_refused_bytes > 0) &&
+                          peak > device.allocator_peak_bytes);
+      first = false;
+      if (!worse) continue;
+      device.allocator_history = history;
+      device.allocator_peak_bytes = peak;
+      device.allocator_step_peak_bytes = std::move(step_peaks);
+      device.allocator_refused_bytes = listener.refused_bytes();
+      device.allocator_refused = listener.refused();
+      device.allocator_peak_step = listener.peak_step();
+      device.allocator_refused_step = listener.refused_step();
+      if (refused) listener.DescribeRefusal(&device);
     }
-    device.allocator_refused_bytes = listener.refused_bytes();
-    device.allocator_refused = listener.refused();
-    device.allocator_peak_step = listener.peak_step();
-    device.allocator_refused_step = listener.refused_step();
-    if (device.allocator_refused_bytes > 0) listener.DescribeRefusal(&device);
     // The buffers live where the allocator peaks and where it refuses.
     for (auto [at, live] : {std::make_pair(device.allocator_peak_step, &device.live_at_allocator_peak),
                             std::make_pair(device.allocator_refused_step, &device.live_at_refusal)}) {
@@ -913,6 +948,20 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     }
   }
   return absl::OkStatus();
+}
+
+const char* ResidentHistoryName(ResidentHistory history) {
+  switch (history) {
+    case ResidentHistory::kGraphOrder:
+      return "graph order";
+    case ResidentHistory::kReverseGraphOrder:
+      return "reverse graph order";
+    case ResidentHistory::kLargestFirst:
+      return "largest first";
+    case ResidentHistory::kInitialValueTemporaries:
+      return "initial values in temporaries";
+  }
+  return "?";
 }
 
 }  // namespace tfmemopt

@@ -23,12 +23,31 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "grappler/analyze/tensor_table.h"
 
 namespace tfmemopt {
+
+// How the allocator's memory was used before the step: what shapes the free chunks
+// the step finds. The resident buffers (variables, constants, the caller's inputs)
+// were created before the graph ran, eagerly, in an order the graph does not keep,
+// and each variable's initial value was computed in a temporary of its size before
+// it was assigned. BFC never gives a region back, so that history decides which
+// chunks the step's tensors land in, and a chunk less than twice a request is not
+// split: the same script's peak moves by tens of MiB from one process to the next
+// (docs/accuracy.md: text_cnn's unplanned peak measured 101 to 153 MiB). The model
+// cannot know the history, so it replays several plausible ones.
+enum class ResidentHistory {
+  kGraphOrder,          // resident buffers made in the graph's order
+  kReverseGraphOrder,   // ... in the reverse order
+  kLargestFirst,        // ... largest first
+  kInitialValueTemporaries,  // graph order, each variable's initial value computed in
+                             // a temporary of its size, freed once assigned
+};
+const char* ResidentHistoryName(ResidentHistory history);
 
 struct DeviceTimeline {
   std::string device;
@@ -50,6 +69,11 @@ struct DeviceTimeline {
   int64_t allocator_peak_bytes = 0;
   // That peak for each measured step, in order.
   std::vector<int64_t> allocator_step_peak_bytes;
+  // The history (SimulationOptions::allocator_histories) whose replay these allocator
+  // fields describe: the worst one. And each history with its peak, in the options'
+  // order (0 for one that refused).
+  ResidentHistory allocator_history = ResidentHistory::kGraphOrder;
+  std::vector<std::pair<ResidentHistory, int64_t>> allocator_history_peak_bytes;
   // The first allocation the allocator model could not place, or 0 bytes: BFC would
   // run out of memory there even when the peak is below its limit, because a tensor
   // must fit in one of its regions (which start at 2 MiB, double and never merge).
@@ -91,6 +115,12 @@ struct SimulationOptions {
   // in a real training run.
   int warmup_steps = 2;
   int measured_steps = 5;
+  // The histories replayed before the warm-up steps, each from an empty allocator;
+  // the worst one (a refusal, else the highest peak) is the device's allocator
+  // prediction. A plan fits only when it fits after every one of them.
+  std::vector<ResidentHistory> allocator_histories = {
+      ResidentHistory::kGraphOrder, ResidentHistory::kReverseGraphOrder,
+      ResidentHistory::kLargestFirst, ResidentHistory::kInitialValueTemporaries};
 };
 
 struct SimulationResult {

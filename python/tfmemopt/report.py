@@ -17,6 +17,15 @@ def format_bytes(n):
     return f"{n} B"
 
 
+def _histories(device):
+    """', worst of N allocator histories: NAME' for a device dict whose allocator model
+    replayed several histories of the memory before the step (docs/allocator.md)."""
+    peaks = device.get("allocator_history_peaks") or {}
+    if len(peaks) < 2:
+        return ""
+    return f", worst of {len(peaks)} allocator histories: {device['allocator_history']}"
+
+
 _PLOT_HINT = "pip install 'tfmemopt[plot]'"
 
 # Stack order and colours of the timeline chart, bottom to top.
@@ -70,7 +79,9 @@ class Report:
     top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None;
     False also when the allocator model ran out of memory: to_dict()'s devices carry
     allocator_refused_bytes and allocator_refused, the first allocation BFC's model could
-    not place),
+    not place; allocator_history_peaks, the model's peak after each history of the memory
+    before the step that it replays, 0 for one that ran out, and allocator_history, the
+    worst of them, which the device's figures describe),
     recompute (what recomputation did: policy, nodes, added_seconds, step_seconds,
     feasible, search, checkpoints, left_alone, ...), swap (tensors, num_swap_out, num_swap_in,
     bytes_to_host, host_peak_bytes, copy_seconds), schedule (what the scheduling stage
@@ -257,7 +268,8 @@ class Report:
                    " graph when it was planned" if d.get("held_outside_bytes") else "")
                 + f"), persistent {format_bytes(d['persistent_bytes'])}"
                 + (f", live tensors at the peak {format_bytes(d['live_peak_bytes'])}"
-                   f" (BFC allocator model)" if d.get("allocator") == "bfc" else "")
+                   f" (BFC allocator model{_histories(d)})" if d.get("allocator") == "bfc"
+                   else "")
             )
             if d.get("allocator_refused_bytes"):
                 lines.append(
