@@ -72,6 +72,8 @@ for _ in range(int(sys.argv[5])):
     step(*args)
     step_peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
 report = max(tfmemopt.reports(), key=lambda r: r.num_nodes)  # the train step
+if report.status != "ok":
+    sys.exit(f"the pass fell back in stage {report.failed_stage}: {report.message}")
 print("TRIAL " + json.dumps({
     "predicted": report.predicted_peak_bytes["after"]["CPU:0"],
     "predicted_before": report.predicted_peak_bytes["before"]["CPU:0"],

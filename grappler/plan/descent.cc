@@ -49,7 +49,22 @@ absl::Status Planner::UseAllocatorModel(Evaluated* state) {
 
 absl::Status Planner::EvaluateWithAllocator(Choice choice, Evaluated* out) {
   allocator_ = true;
-  return Evaluate(std::move(choice), out);
+  every_history_ = true;
+  absl::Status status = Evaluate(std::move(choice), out);
+  every_history_ = false;
+  return status;
+}
+
+absl::Status Planner::OnEveryHistory(Evaluated* state) {
+  if (!allocator_ || ctx_.options.simulation.allocator_histories.size() < 2) {
+    return absl::OkStatus();
+  }
+  every_history_ = true;
+  Evaluated again;
+  absl::Status status = EvaluateAs(state->choice, &again);
+  every_history_ = false;
+  if (status.ok()) *state = std::move(again);
+  return status;
 }
 
 absl::Status Planner::Apply(const Choice& choice) {
@@ -169,9 +184,11 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
   // fitting fits every history, as the report will say.
   const SimulationOptions& all = allocator_ ? ctx_.options.simulation : SimulationOptions();
   SimulationOptions one = all;
-  if (all.allocator_histories.size() > 1) one.allocator_histories = {worst_history_};
+  if (all.allocator_histories.size() > 1 && !every_history_) {
+    one.allocator_histories = {worst_history_};
+  }
   status = Simulate(work_, out->order, one, &out->simulation);
-  if (status.ok() && all.allocator_histories.size() > 1 &&
+  if (status.ok() && all.allocator_histories.size() > 1 && !every_history_ &&
       Judge(out->simulation, ctx_.options.budget_bytes).fits()) {
     status = Simulate(work_, out->order, all, &out->simulation);
     const int worst = Judge(out->simulation, ctx_.options.budget_bytes).worst_device;

@@ -76,9 +76,14 @@ class Planner {
 
   // Simulates `choice` (with the alternative placement too where it may help).
   absl::Status Evaluate(Choice choice, Evaluated* out);
+  // With the allocator model on, replaying every allocator history.
   absl::Status EvaluateWithAllocator(Choice choice, Evaluated* out);
   // Re-simulates `state` with the allocator model, once, if there is one.
   absl::Status UseAllocatorModel(Evaluated* state);
+  // Re-simulates `state`'s own choice replaying every allocator history: the search
+  // judges a plan that does not fit on the worst history so far alone, and two such
+  // plans compare only when judged on the same histories.
+  absl::Status OnEveryHistory(Evaluated* state);
 
   // Greedy descent from `fixed` plus `groups`; only the mechanisms marked in
   // `proposing` propose candidates. Groups the budget turns out not to need are
@@ -139,6 +144,7 @@ class Planner {
   // the last plan that fitted it: the search replays it alone, and every history
   // only for a plan that fits it (EvaluateAs).
   ResidentHistory worst_history_ = ResidentHistory::kGraphOrder;
+  bool every_history_ = false;  // EvaluateAs replays them all
 };
 
 }  // namespace tfmemopt

@@ -176,6 +176,7 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
       // peak; added compute or copies for the same peak help nobody.
       Evaluated none;
       status = planner.EvaluateWithAllocator(fixed, &none);
+      if (status.ok()) status = planner.OnEveryHistory(&best);
       if (!status.ok()) return status;
       auto lowers = [&none](const Evaluated& plan) {
         bool lower = false;
@@ -194,6 +195,7 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
         Evaluated lower;
         status = planner.Descend(fixed, {}, proposing, &lower);
         planner.set_peak_only(false);
+        if (status.ok()) status = planner.OnEveryHistory(&lower);
         if (!status.ok()) return status;
         if (lowers(lower)) best = std::move(lower);
       }
@@ -210,6 +212,9 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
   } else {
     status = planner.EvaluateWithAllocator(std::move(fixed), &best);
   }
+  // A plan that fits was judged on every history; one that does not, on the worst so
+  // far alone (and the report's figures are every history's).
+  if (status.ok() && best.excess > 0) status = planner.OnEveryHistory(&best);
   if (!status.ok()) return status;
   VLOG(1) << "TfMemOpt plan: " << plan->simulations << " simulations, building rewrites "
           << planner.rewrite_seconds() << " s, simulating " << planner.simulate_seconds()
