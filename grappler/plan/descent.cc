@@ -183,13 +183,13 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
   // Then the plan is judged on all of them, so that a plan the search takes as
   // fitting fits every history, as the report will say.
   const SimulationOptions& all = allocator_ ? ctx_.options.simulation : SimulationOptions();
+  const bool modelled = std::any_of(all.bfc_memory_limit.begin(), all.bfc_memory_limit.end(),
+                                    [](int64_t limit) { return limit > 0; });
+  const bool one_first = modelled && all.allocator_histories.size() > 1 && !every_history_;
   SimulationOptions one = all;
-  if (all.allocator_histories.size() > 1 && !every_history_) {
-    one.allocator_histories = {worst_history_};
-  }
+  if (one_first) one.allocator_histories = {worst_history_};
   status = Simulate(work_, out->order, one, &out->simulation);
-  if (status.ok() && all.allocator_histories.size() > 1 && !every_history_ &&
-      Judge(out->simulation, ctx_.options.budget_bytes).fits()) {
+  if (status.ok() && one_first && Judge(out->simulation, ctx_.options.budget_bytes).fits()) {
     status = Simulate(work_, out->order, all, &out->simulation);
     const int worst = Judge(out->simulation, ctx_.options.budget_bytes).worst_device;
     if (status.ok() && worst >= 0) {
