@@ -55,10 +55,13 @@ absl::Status Planner::EvaluateWithAllocator(Choice choice, Evaluated* out) {
   return status;
 }
 
+bool Planner::ReplaysOneHistory() const {
+  return allocator_ && HasAllocatorModel() &&
+         ctx_.options.simulation.allocator_histories.size() > 1;
+}
+
 absl::Status Planner::OnEveryHistory(Evaluated* state) {
-  if (!allocator_ || ctx_.options.simulation.allocator_histories.size() < 2) {
-    return absl::OkStatus();
-  }
+  if (!ReplaysOneHistory()) return absl::OkStatus();
   every_history_ = true;
   Evaluated again;
   absl::Status status = EvaluateAs(state->choice, &again);
@@ -183,9 +186,7 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
   // Then the plan is judged on all of them, so that a plan the search takes as
   // fitting fits every history, as the report will say.
   const SimulationOptions& all = allocator_ ? ctx_.options.simulation : SimulationOptions();
-  const bool modelled = std::any_of(all.bfc_memory_limit.begin(), all.bfc_memory_limit.end(),
-                                    [](int64_t limit) { return limit > 0; });
-  const bool one_first = modelled && all.allocator_histories.size() > 1 && !every_history_;
+  const bool one_first = ReplaysOneHistory() && !every_history_;
   SimulationOptions one = all;
   if (one_first) one.allocator_histories = {worst_history_};
   status = Simulate(work_, out->order, one, &out->simulation);

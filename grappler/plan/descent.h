@@ -110,6 +110,9 @@ class Planner {
 
  private:
   bool HasAllocatorModel() const;
+  // Whether the search replays the worst allocator history alone (an allocator is
+  // modelled, with more than one history to replay).
+  bool ReplaysOneHistory() const;
   absl::Status EvaluateAs(Choice choice, Evaluated* out);
   // The base node at (or, for an added node, last before) the step where `state`
   // goes wrong (TargetOf), or -1.
