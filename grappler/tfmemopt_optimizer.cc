@@ -203,12 +203,12 @@ void FillDeviceFigures(const TensorTable& table, const DeviceTimeline& timeline,
   FillPeakTensors(table, timeline, device);
 }
 
-// Allocator settings for simulating a table whose devices are `table_devices` (a
-// rewritten graph may use one more: the host a GPU swaps to).
+// Allocator settings for simulating `table` (a rewritten graph may use one more
+// device than the report lists: the host a GPU swaps to).
 SimulationOptions SimulationFor(const std::vector<DeviceReport>& devices,
-                                const std::vector<std::string>& table_devices) {
+                                const TensorTable& table) {
   SimulationOptions simulation;
-  for (const std::string& name : table_devices) {
+  for (const std::string& name : table.devices) {
     int64_t limit = 0;
     for (const DeviceReport& device : devices) {
       // Memory held outside the graph is not the step's to use (0 unless counted).
@@ -217,6 +217,12 @@ SimulationOptions SimulationFor(const std::vector<DeviceReport>& devices,
       }
     }
     simulation.bfc_memory_limit.push_back(limit);
+  }
+  // A Session's initializer made the variables, in graph order, before the step:
+  // that is the one history, and a plan built to fit the others would hold back
+  // memory the step does not need (docs/allocator.md).
+  if (table.variables_made_by_recorded_initializer) {
+    simulation.allocator_histories = {ResidentHistory::kGraphOrder};
   }
   return simulation;
 }
@@ -274,7 +280,7 @@ void FillSplitReport(const SplitOutcome& split, SplitReport* report) {
 
 MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
                                     const std::vector<DeviceReport>& devices,
-                                    const std::vector<std::string>& table_devices) {
+                                    const TensorTable& table) {
   MemoryPlannerOptions planner;
   planner.policy = options.mode == Mode::kManual ? RecomputePolicy::kManual
                                                  : options.recompute_policy;
@@ -293,7 +299,7 @@ MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
   planner.exclude_op_types = options.exclude_op_types;
   planner.include_op_types = options.include_op_types;
   planner.hint_scopes = options.recompute_scopes;
-  planner.simulation = SimulationFor(devices, table_devices);
+  planner.simulation = SimulationFor(devices, table);
   return planner;
 }
 
@@ -437,7 +443,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (!s.ok()) return s;
     s = AnalyzeControlFlow(item.graph, table, order, &flow);
     if (!s.ok()) return s;
-    return Simulate(table, order, SimulationFor(devices, table.devices), &before);
+    return Simulate(table, order, SimulationFor(devices, table), &before);
   });
   if (!status.ok()) return status;
   for (size_t d = 0; d < devices.size(); ++d) {
@@ -470,7 +476,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     }
     report->schedule.planned = true;
     ScheduleOptions scheduling;
-    scheduling.simulation = SimulationFor(devices, table.devices);
+    scheduling.simulation = SimulationFor(devices, table);
     scheduling.min_gain_bytes = AdaptiveMinTensorBytesSteps(options).front();
     absl::Status s = PlanSchedule(table, flow, before, scheduling, &schedule);
     if (!s.ok()) return s;
@@ -496,7 +502,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (!s.ok()) return s;
     // The scheduled graph, analyzed afresh, is what the budget is checked against.
     SimulationResult now;
-    s = Simulate(table, order, SimulationFor(devices, table.devices), &now);
+    s = Simulate(table, order, SimulationFor(devices, table), &now);
     if (!s.ok()) return s;
     over_budget = false;
     for (size_t d = 0; d < devices.size(); ++d) {
@@ -515,7 +521,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   // The table the plan's indices refer to: the split graph's when a split is chosen.
   const TensorTable* planned_table = &table;
   status = stages->Run("plan", [&] {
-    MemoryPlannerOptions planner = PlannerOptions(options, devices, table.devices);
+    MemoryPlannerOptions planner = PlannerOptions(options, devices, table);
     const bool hinted_recompute =
         planner.enable_recompute && planner.policy != RecomputePolicy::kAuto;
     const bool may_split = options.enable_split && options.mode == Mode::kAuto;
@@ -579,7 +585,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   if (!status.ok()) return status;
   {
     // The plan's list indices are the planned table's (the split graph's when split).
-    const MemoryPlannerOptions planner = PlannerOptions(options, devices, table.devices);
+    const MemoryPlannerOptions planner = PlannerOptions(options, devices, table);
     FillLoopReport(*planned_table, plan.loop_swap_lists, report->swap.planned,
                    SwapBandwidth(*planned_table, planner), &report->loops);
   }
@@ -626,7 +632,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (!s.ok()) return s;
     s = TopologicalOrder(rewritten.graph, after_table, &after_order);
     if (!s.ok()) return s;
-    s = Simulate(after_table, after_order, SimulationFor(devices, after_table.devices), &after);
+    s = Simulate(after_table, after_order, SimulationFor(devices, after_table), &after);
     after_built = s.ok();
     return s;
   };
@@ -683,7 +689,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     absl::Status s = analyze_output();
     if (!s.ok()) return s;
     OrderGuardOptions guard;
-    guard.simulation = SimulationFor(devices, after_table.devices);
+    guard.simulation = SimulationFor(devices, after_table);
     for (const DeviceReport& device : devices) guard.budget_bytes[device.device] = device.budget_bytes;
     ControlFlowInfo after_flow;
     s = AnalyzeControlFlow(rewritten.graph, after_table, after_order, &after_flow);
@@ -822,7 +828,7 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
   *optimized_graph = item.graph;
   // An initializer's graph is seen before the step that updates its variables
   // (analyze/initial_values.h); recorded on every call, whatever the pass does next.
-  RecordConstInitializedVariables(item.graph);
+  RecordInitializedVariables(item.graph);
   // The meta-optimizer's next iteration over a graph we rewrote: our nodes are in
   // it, the report of the rewrite stands, and nothing is added twice.
   Published& seen = published_[item.id];

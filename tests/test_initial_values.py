@@ -2,6 +2,7 @@
 update (grappler/analyze/initial_values.h): the model counts it as persistent memory,
 and the count matches what TF's allocator holds between steps."""
 
+import functools
 import json
 
 from conftest import run_python
@@ -37,8 +38,11 @@ for _ in range(3):
     session.run([loss, train], feed)
     steps.append(in_use())
 report = max(tfmemopt.reports(), key=lambda r: r.num_nodes)
+device = report.to_dict()["devices"][0]
 print(json.dumps({"after_init": after_init, "after_steps": steps,
-                  "persistent": report.persistent_bytes["CPU:0"]}))
+                  "persistent": report.persistent_bytes["CPU:0"],
+                  "histories": device["allocator_history_peaks"],
+                  "worst": device["allocator_history"], "text": report.to_text()}))
 """
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -51,6 +55,7 @@ ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
        "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
+@functools.lru_cache(maxsize=None)
 def _run(optimizer):
     proc = run_python(_SESSION, optimizer, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -77,3 +82,17 @@ def test_variables_initialized_from_one_const_hold_it_once():
     # w, b, and Adam's m and v of each (4 MiB + 4 KiB apiece), two step counters
     # (beta1_power, beta2_power) and the step's own Consts.
     assert abs(r["persistent"] - r["after_steps"][-1]) < 64 * KIB, r
+
+
+def test_a_session_whose_initializer_the_pass_saw_replays_only_that_history():
+    """The variables of a tf.function reach its graph as arguments, made eagerly in an
+    order the graph does not tell, so the allocator model replays four histories and
+    keeps the worst (tests/test_memory_model.py). A Session's variables are made by
+    its initializer graph, which the pass optimized before the step: the resident
+    buffers were allocated in graph order, and only that history is replayed
+    (docs/allocator.md)."""
+    r = _run("momentum")
+    assert list(r["histories"]) == ["graph order"], r["histories"]
+    assert r["worst"] == "graph order"
+    assert r["histories"]["graph order"] >= r["persistent"] > 0
+    assert "(BFC allocator model, allocator history: graph order)" in r["text"], r["text"]

@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "tensorflow/core/framework/attr_value.pb.h"
@@ -21,6 +22,11 @@ absl::Mutex registry_mutex;
 absl::flat_hash_map<Key, HeldInitialValue>& Registry() {
   static auto* registry = new absl::flat_hash_map<Key, HeldInitialValue>();
   return *registry;
+}
+// Every variable an AssignVariableOp of a recorded graph assigned, from a Const or not.
+absl::flat_hash_set<Key>& Initialized() {
+  static auto* initialized = new absl::flat_hash_set<Key>();
+  return *initialized;
 }
 // Tells apart Consts of one name in different graphs.
 int64_t recorded_graphs = 0;
@@ -48,7 +54,7 @@ int64_t ConstBytes(const tensorflow::NodeDef& node) {
 
 }  // namespace
 
-void RecordConstInitializedVariables(const tensorflow::GraphDef& graph) {
+void RecordInitializedVariables(const tensorflow::GraphDef& graph) {
   absl::flat_hash_map<std::string, const tensorflow::NodeDef*> by_name;
   for (const tensorflow::NodeDef& node : graph.node()) by_name[node.name()] = &node;
   // The node an input comes from, through Identities.
@@ -70,10 +76,9 @@ void RecordConstInitializedVariables(const tensorflow::GraphDef& graph) {
     if (node.op() != "AssignVariableOp" || node.input_size() < 2) continue;
     const tensorflow::NodeDef* handle = source(node.input(0));
     const tensorflow::NodeDef* value = source(node.input(1));
-    if (handle == nullptr || value == nullptr || handle->op() != "VarHandleOp" ||
-        value->op() != "Const") {
-      continue;
-    }
+    if (handle == nullptr || handle->op() != "VarHandleOp") continue;
+    Initialized().insert(KeyOf(*handle));
+    if (value == nullptr || value->op() != "Const") continue;
     const int64_t bytes = ConstBytes(*value);
     if (bytes <= 0) continue;
     Registry()[KeyOf(*handle)] = {absl::StrCat(graph_serial, "/", value->name()), bytes};
@@ -85,6 +90,12 @@ HeldInitialValue HeldInitialValueOf(const tensorflow::NodeDef& var_handle) {
   absl::MutexLock lock(&registry_mutex);
   auto it = Registry().find(KeyOf(var_handle));
   return it == Registry().end() ? HeldInitialValue{} : it->second;
+}
+
+bool InitializedByRecordedGraph(const tensorflow::NodeDef& var_handle) {
+  if (var_handle.op() != "VarHandleOp") return false;
+  absl::MutexLock lock(&registry_mutex);
+  return Initialized().contains(KeyOf(var_handle));
 }
 
 }  // namespace tfmemopt

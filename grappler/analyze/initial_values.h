@@ -12,7 +12,7 @@
 // Momentum slots and biases, 4.3 MiB, twice).
 //
 // The Session runs the initializer before the training step, so the pass sees its
-// graph first: RecordConstInitializedVariables notes those variables (by device,
+// graph first: RecordInitializedVariables notes those variables (by device,
 // container and shared name), and the tensor table of a later graph that updates
 // one of them gives it a persistent buffer of the initial value's size
 // (HeldInitialValueOf), one per Const. Variables created eagerly (TF2, Keras) are initialized
@@ -30,8 +30,8 @@
 namespace tfmemopt {
 
 // Records, process-wide, every VarHandleOp of `graph` that an AssignVariableOp
-// assigns from a Const (through Identities), with the Const.
-void RecordConstInitializedVariables(const tensorflow::GraphDef& graph);
+// assigns (through Identities), and with it the Const it is assigned from, if any.
+void RecordInitializedVariables(const tensorflow::GraphDef& graph);
 
 // The Const a recorded variable was initialized from. Variables initialized from one
 // Const (Grappler merges identical constants, such as the zeros of an optimizer's two
@@ -44,6 +44,11 @@ struct HeldInitialValue {
 // For a VarHandleOp of the same device, container and shared name as a recorded
 // variable, its Const; bytes == 0 when none is recorded.
 HeldInitialValue HeldInitialValueOf(const tensorflow::NodeDef& var_handle);
+
+// Whether a graph the pass saw assigned the variable of this VarHandleOp: a Session's
+// initializer made it, in that graph's order, before the step (simulate's
+// ResidentHistory: the allocator's history before the step is then known).
+bool InitializedByRecordedGraph(const tensorflow::NodeDef& var_handle);
 
 }  // namespace tfmemopt
 

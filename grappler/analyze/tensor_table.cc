@@ -345,6 +345,27 @@ void AddHeldInitialValues(TensorTable* table) {
   }
 }
 
+// Sets TensorTable::variables_made_by_recorded_initializer.
+void NoteVariablesMadeByRecordedInitializer(TensorTable* table) {
+  int variables = 0;
+  bool recorded = true;
+  for (const NodeInfo& node : table->nodes) {
+    const std::string& op = node.def->op();
+    if (op == "VarHandleOp") {
+      ++variables;
+      recorded = recorded && InitializedByRecordedGraph(*node.def);
+    } else if (op == "VariableV2" || op == "Variable" || op == "_Arg" ||
+               op == "Placeholder") {
+      // A reference variable, or a handle the caller passes: made elsewhere.
+      const bool handle_or_ref = op == "VariableV2" || op == "Variable" ||
+                                 (!node.outputs.empty() &&
+                                  table->tensors[node.outputs[0]].dtype == tensorflow::DT_RESOURCE);
+      if (handle_or_ref) recorded = false;
+    }
+  }
+  table->variables_made_by_recorded_initializer = variables > 0 && recorded;
+}
+
 bool IsListCreator(const NodeDef& node) {
   return node.op() == "EmptyTensorList" || node.op() == "TensorListReserve";
 }
@@ -798,6 +819,7 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
   BindReusableInputs(table);
   BindUpdatedVariables(table);
   AddHeldInitialValues(table);
+  NoteVariablesMadeByRecordedInitializer(table);
   AddKernelBuffers(table);
   for (size_t t = 0; t < table->tensors.size(); ++t) {
     if (!table->tensors[t].size_known) {

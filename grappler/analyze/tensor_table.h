@@ -149,6 +149,12 @@ struct TensorTable {
   int64_t batch_dims_resolved = 0;  // dimensions filled from assume_batch_size
   // The while-loops and the TensorLists they fill (analyze/loops.h).
   LoopAnalysis loops;
+  // Every variable of the graph is a VarHandleOp that a graph the pass saw before
+  // initialized (a v1 Session's initializer, analyze/initial_values.h): the resident
+  // buffers were made in graph order, so the simulator need not replay other
+  // histories (simulate's ResidentHistory). False for variables that reach the graph
+  // as arguments (tf.function, Keras), whose history the graph does not tell.
+  bool variables_made_by_recorded_initializer = false;
 
   std::string TensorName(int tensor) const;
 };

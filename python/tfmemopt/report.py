@@ -19,10 +19,13 @@ def format_bytes(n):
 
 def _histories(device):
     """', worst of N allocator histories: NAME' for a device dict whose allocator model
-    replayed several histories of the memory before the step (docs/allocator.md)."""
+    replayed several histories of the memory before the step, ', allocator history:
+    NAME' for one that replayed the one it knew (docs/allocator.md)."""
     peaks = device.get("allocator_history_peaks") or {}
-    if len(peaks) < 2:
+    if not peaks:
         return ""
+    if len(peaks) == 1:
+        return f", allocator history: {device['allocator_history']}"
     return f", worst of {len(peaks)} allocator histories: {device['allocator_history']}"
 
 
