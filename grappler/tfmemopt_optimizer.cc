@@ -484,6 +484,10 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     for (size_t d = 0; d < devices.size(); ++d) {
       report->schedule.peak_before_bytes[devices[d].device] = schedule.peak_before[d];
       report->schedule.peak_after_bytes[devices[d].device] = schedule.peak_after[d];
+      report->schedule.backward_peak_before_bytes[devices[d].device] =
+          schedule.backward_peak_before[d];
+      report->schedule.backward_peak_after_bytes[devices[d].device] =
+          schedule.backward_peak_after[d];
     }
     if (schedule.edges.empty()) return absl::OkStatus();
     for (const auto& [from, to] : schedule.edges) {

@@ -105,6 +105,7 @@ class Scheduler {
     schedule_->peak_before = full_.peak;
     absl::Status status = Simulate(work_, order_, SimulationOptions(), &cheap_);
     if (!status.ok()) return status;
+    schedule_->backward_peak_before = full_.backward;
     signature_ = AddNSignature(order_);
     schedule_->simulation = before;
     while (static_cast<int>(schedule_->edges.size()) < options_.max_edges &&
@@ -118,6 +119,7 @@ class Scheduler {
     if (!status.ok()) return status;
     schedule_->order = order_;
     schedule_->peak_after = full_.peak;
+    schedule_->backward_peak_after = full_.backward;
     return absl::OkStatus();
   }
 
@@ -173,16 +175,20 @@ class Scheduler {
   }
 
   // Buffers on `device` live at `step` of the current order, largest first: made at
-  // or before the step and read at or after it.
+  // or before the step and read at or after it; with `gradients_only`, those of the
+  // backward pass's own tensors (what the backward peak counts: at a ResNet's
+  // projection block the forward activations kept for the gradient are as large
+  // as the gradients, and would crowd them out of the kLiveBuffersTried).
   std::vector<int> LiveBuffers(int step, const std::string& device,
-                               const std::vector<int>& position,
+                               const std::vector<int>& position, bool gradients_only,
                                std::vector<int>* last_reader) const {
     std::vector<int> live;
     last_reader->assign(work_.buffers.size(), -1);
     for (size_t b = 0; b < work_.buffers.size(); ++b) {
       const BufferInfo& buffer = work_.buffers[b];
       if (buffer.persistent || buffer.external || buffer.released_by >= 0 || buffer.bytes == 0 ||
-          buffer.device != device) {
+          buffer.device != device ||
+          (gradients_only && work_.tensors[buffer.owner].role != TensorRole::kGradient)) {
         continue;
       }
       const int producer = work_.tensors[buffer.owner].node;
@@ -235,17 +241,30 @@ class Scheduler {
     return first;
   }
 
-  // Candidate edges at `step` of the current order, for buffers on `device`.
+  // Candidate edges at `step` of the current order, for buffers on `device` (only
+  // the backward pass's own with `gradients_only`).
   void CandidatesAt(int step, const std::string& device, const std::vector<int>& position,
-                    std::set<std::pair<int, int>>* edges) const {
+                    bool gradients_only, std::set<std::pair<int, int>>* edges) const {
     const int anchor = order_[step];
     const std::vector<char> ancestors = Reach(predecessors_, anchor);
     const std::vector<char> descendants = Reach(successors_, anchor);
     std::vector<int> last_reader;
-    const std::vector<int> live = LiveBuffers(step, device, position, &last_reader);
+    const std::vector<int> live =
+        LiveBuffers(step, device, position, gradients_only, &last_reader);
     auto usable = [&](int n) {
       return Schedulable(work_, flow_, n) && work_.nodes[n].device == device;
     };
+    if (VLOG_IS_ON(2)) {
+      for (int b : live) {
+        const int producer = work_.tensors[work_.buffers[b].owner].node;
+        VLOG(2) << "  live at " << work_.nodes[anchor].def->name() << ": "
+                << work_.buffers[b].bytes << " " << work_.nodes[producer].def->name()
+                << (ancestors[producer] ? " (ancestor)" : " (independent)") << " last "
+                << (last_reader[b] >= 0 ? work_.nodes[last_reader[b]].def->name() : "-")
+                << " at +" << (last_reader[b] >= 0 ? position[last_reader[b]] - step : 0)
+                << (last_reader[b] >= 0 && descendants[last_reader[b]] ? " (descendant)" : "");
+      }
+    }
     // Nodes that free a buffer the anchor's side of the graph holds.
     std::vector<int> waits = {anchor};
     for (int b : live) {
@@ -320,13 +339,15 @@ class Scheduler {
     for (size_t s = 0; s < order_.size(); ++s) position[order_[s]] = static_cast<int>(s);
     std::set<std::pair<int, int>> edges;
     for (const DeviceTimeline& t : cheap_.devices) {
-      if (t.peak_step >= 0) CandidatesAt(t.peak_step, t.device, position, &edges);
+      if (t.peak_step >= 0) CandidatesAt(t.peak_step, t.device, position, false, &edges);
       const auto top = std::max_element(t.gradient_bytes.begin(), t.gradient_bytes.end());
       if (top != t.gradient_bytes.end() && *top > 0) {
         CandidatesAt(static_cast<int>(top - t.gradient_bytes.begin()), t.device, position,
-                     &edges);
+                     true, &edges);
       }
     }
+    VLOG(1) << "schedule: " << edges.size() << " candidate edges after "
+            << schedule_->edges.size() << " kept";
     const Score current = ScoreOf(cheap_, false);
     std::vector<Candidate> better;
     for (const auto& [from, to] : edges) {

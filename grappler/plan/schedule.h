@@ -5,9 +5,11 @@
 // ResNet block with a projection shortcut, both branches' BatchNorm gradients are
 // live at once. This stage lowers the simulated peak before anything is swapped or
 // recomputed, greedily, one control edge at a time:
-//  * at the step where the peak is reached, and at the step where the peak of the
-//    backward pass's own bytes (what neither swap nor recompute can remove) is
-//    reached, it looks at the largest buffers live there;
+//  * at the step where the peak is reached, it looks at the largest buffers live
+//    there; at the step where the peak of the backward pass's own bytes (what
+//    neither swap nor recompute can remove) is reached, at the largest of those
+//    (the forward activations kept for the gradient are as large, and would hide
+//    them);
 //  * a buffer made by an independent branch (its producer is no ancestor of the
 //    step's node) is a candidate to delay: its producer, or the first node of its
 //    branch, waits for the step's node or for a node that frees a large buffer;
@@ -59,6 +61,9 @@ struct Schedule {
   // Per device (TensorTable::devices order): predicted peak (PredictedPeak) of
   // the original and of the scheduled order.
   std::vector<int64_t> peak_before, peak_after;
+  // Per device: the peak of the backward pass's own bytes (what neither swap nor
+  // recompute removes), in the original order and in the scheduled one.
+  std::vector<int64_t> backward_peak_before, backward_peak_after;
   int simulations = 0;
   // The executor order with the edges, and its full simulation.
   std::vector<int> order;

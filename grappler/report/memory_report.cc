@@ -216,6 +216,9 @@ std::string MemoryReport::ToJson() const {
       << ",\"edges\":" << EdgesJson(schedule.edges)
       << ",\"peak_before_bytes\":" << BytesByDeviceJson(schedule.peak_before_bytes)
       << ",\"peak_after_bytes\":" << BytesByDeviceJson(schedule.peak_after_bytes)
+      << ",\"backward_peak_before_bytes\":"
+      << BytesByDeviceJson(schedule.backward_peak_before_bytes)
+      << ",\"backward_peak_after_bytes\":" << BytesByDeviceJson(schedule.backward_peak_after_bytes)
       << ",\"simulations\":" << schedule.simulations << "},\"split\":" << SplitJson(split)
       << ",\"plan_choice\":{\"chosen\":" << Quote(plan_choice.chosen) << ",\"candidates\":[";
   for (size_t i = 0; i < plan_choice.candidates.size(); ++i) {

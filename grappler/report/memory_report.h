@@ -129,6 +129,8 @@ struct ScheduleReport {
   std::vector<std::pair<std::string, std::string>> edges;
   // Per device: predicted peak of the original order and of the scheduled one.
   std::map<std::string, int64_t> peak_before_bytes, peak_after_bytes;
+  // Per device: the peak of the backward pass's own bytes, before and after.
+  std::map<std::string, int64_t> backward_peak_before_bytes, backward_peak_after_bytes;
   int simulations = 0;
 };
 

@@ -89,7 +89,9 @@ class Report:
     feasible, search, checkpoints, left_alone, ...), swap (tensors, num_swap_out, num_swap_in,
     bytes_to_host, host_peak_bytes, copy_seconds), schedule (what the scheduling stage
     did before any swap or recompute: planned, num_edges, edges as [waited for, waiting]
-    node names, peak_before_bytes and peak_after_bytes per device, simulations),
+    node names, peak_before_bytes and peak_after_bytes per device, the peak of the
+    backward pass's own bytes in backward_peak_before_bytes and backward_peak_after_bytes,
+    simulations),
     min_tensor_bytes (the smallest tensor size the applied plan considered; with the
     adaptive default, below 1 MiB only when the budget needed smaller tensors; -1 when
     nothing was planned),
@@ -321,8 +323,14 @@ class Report:
             f"{device or '(unplaced)'} {format_bytes(before)} -> "
             f"{format_bytes(sc['peak_after_bytes'].get(device, before))}"
             for device, before in sorted(sc.get("peak_before_bytes", {}).items()))
-        lines = [f"  schedule: {sc['num_edges']} control edges added, predicted peak {peaks}, "
-                 f"{sc['simulations']} orders simulated"]
+        backward = ", ".join(
+            f"{device or '(unplaced)'} {format_bytes(before)} -> "
+            f"{format_bytes(sc['backward_peak_after_bytes'].get(device, before))}"
+            for device, before in sorted(sc.get("backward_peak_before_bytes", {}).items())
+            if sc["backward_peak_after_bytes"].get(device, before) != before)
+        lines = [f"  schedule: {sc['num_edges']} control edges added, predicted peak {peaks}"
+                 + (f", backward pass's own bytes {backward}" if backward else "")
+                 + f", {sc['simulations']} orders simulated"]
         for before, after in sc.get("edges", [])[:5]:
             lines.append(f"    {after} waits for {before}")
         if len(sc.get("edges", [])) > 5:
