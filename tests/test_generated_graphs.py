@@ -89,9 +89,11 @@ def test_split_cases_lose_nothing_within_the_tolerance(worker):
     """Split cases (generated_graphs.random_split_spec): batches and budgets that make
     the pass split work along the batch. The graph is valid, a second pass adds
     nothing, the budget claims hold, the first losses are bitwise equal and the rest
-    within the split rule (generated_graphs.SPLIT_ERROR_FACTOR)."""
+    within the split rule (generated_graphs.SPLIT_ERROR_FACTOR). Twelve cases: the pass
+    splits only where a split lowers the peak of the best plan without one, which a
+    better schedule makes rarer, so not every case splits (seeds 5 and 8 of these do)."""
     split = 0
-    for seed in range(6):
+    for seed in range(12):
         spec = gg.random_split_spec(seed)
         result = worker.run(spec)
         assert result["outcome"] in ("ok", "fallback"), describe(spec, result)
