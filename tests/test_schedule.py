@@ -8,6 +8,7 @@ peaks at about 61 MiB. One control edge (`a` waits for `b`'s sum) enforces that.
 """
 
 import json
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -17,7 +18,10 @@ from tensorflow.python.grappler import tf_optimizer
 import tfmemopt
 from tfmemopt.analysis import metagraph_of
 
-from conftest import optimize, peak_before, run_python
+from conftest import BENCHMARKS, optimize, peak_before, run_python
+
+sys.path.insert(0, BENCHMARKS)
+import models  # noqa: E402
 
 MIB = 1 << 20
 
@@ -174,17 +178,9 @@ def test_the_backward_peak_is_searched_among_the_gradients_not_the_activations_k
     # pass's peak found only those (ancestors of every node there), so on this
     # CIFAR ResNet no edge was even tried (0 orders simulated). Among the gradients,
     # the order of a BatchNorm gradient's parts is found and fixed.
-    import sys
-
-    from conftest import BENCHMARKS
-
-    sys.path.insert(0, BENCHMARKS)
-    import models
-
     step, args = models.cifar_resnet()
-    before = tfmemopt.analyze(step, *args, mode="ANALYZE_ONLY", log_level=0)
-    peak = before.predicted_peak_bytes["before"]["CPU:0"]
-    report = tfmemopt.analyze(step, *args, budget=int(0.5 * peak), enable_swap=False,
+    report = tfmemopt.analyze(step, *args, budget=int(0.5 * peak_before(step, *args)),
+                              enable_swap=False,
                               enable_recompute=False, enable_split=False, log_level=0)
     schedule = report.schedule
     assert schedule["planned"] and schedule["num_edges"] >= 1, schedule

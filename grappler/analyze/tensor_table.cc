@@ -354,13 +354,11 @@ void NoteVariablesMadeByRecordedInitializer(TensorTable* table) {
     if (op == "VarHandleOp") {
       ++variables;
       recorded = recorded && InitializedByRecordedGraph(*node.def);
-    } else if (op == "VariableV2" || op == "Variable" || op == "_Arg" ||
-               op == "Placeholder") {
-      // A reference variable, or a handle the caller passes: made elsewhere.
-      const bool handle_or_ref = op == "VariableV2" || op == "Variable" ||
-                                 (!node.outputs.empty() &&
-                                  table->tensors[node.outputs[0]].dtype == tensorflow::DT_RESOURCE);
-      if (handle_or_ref) recorded = false;
+    } else if (op == "VariableV2" || op == "Variable") {
+      recorded = false;  // a reference variable, assigned by no recorded graph
+    } else if ((op == "_Arg" || op == "Placeholder") && !node.outputs.empty() &&
+               table->tensors[node.outputs[0]].dtype == tensorflow::DT_RESOURCE) {
+      recorded = false;  // a handle the caller passes: made elsewhere
     }
   }
   table->variables_made_by_recorded_initializer = variables > 0 && recorded;

@@ -29,6 +29,18 @@ def _histories(device):
     return f", worst of {len(peaks)} allocator histories: {device['allocator_history']}"
 
 
+def _before_after(section, field, changed_only=False):
+    """'DEVICE BEFORE -> AFTER, ...' of a report section's per-device
+    {field}_before_bytes and {field}_after_bytes (only the devices where it changed,
+    with changed_only)."""
+    after = section.get(f"{field}_after_bytes", {})
+    return ", ".join(
+        f"{device or '(unplaced)'} {format_bytes(before)} -> "
+        f"{format_bytes(after.get(device, before))}"
+        for device, before in sorted(section.get(f"{field}_before_bytes", {}).items())
+        if not changed_only or after.get(device, before) != before)
+
+
 _PLOT_HINT = "pip install 'tfmemopt[plot]'"
 
 # Stack order and colours of the timeline chart, bottom to top.
@@ -319,15 +331,8 @@ class Report:
         sc = self.schedule
         if not sc.get("planned"):
             return []
-        peaks = ", ".join(
-            f"{device or '(unplaced)'} {format_bytes(before)} -> "
-            f"{format_bytes(sc['peak_after_bytes'].get(device, before))}"
-            for device, before in sorted(sc.get("peak_before_bytes", {}).items()))
-        backward = ", ".join(
-            f"{device or '(unplaced)'} {format_bytes(before)} -> "
-            f"{format_bytes(sc['backward_peak_after_bytes'].get(device, before))}"
-            for device, before in sorted(sc.get("backward_peak_before_bytes", {}).items())
-            if sc["backward_peak_after_bytes"].get(device, before) != before)
+        peaks = _before_after(sc, "peak")
+        backward = _before_after(sc, "backward_peak", changed_only=True)
         lines = [f"  schedule: {sc['num_edges']} control edges added, predicted peak {peaks}"
                  + (f", backward pass's own bytes {backward}" if backward else "")
                  + f", {sc['simulations']} orders simulated"]
@@ -359,10 +364,7 @@ class Report:
         og = self.order_guard
         if not og.get("edges") and og.get("complete", True):
             return []
-        worst = ", ".join(
-            f"{device or '(unplaced)'} {format_bytes(before)} -> "
-            f"{format_bytes(og['worst_peak_after_bytes'].get(device, before))}"
-            for device, before in sorted(og.get("worst_peak_before_bytes", {}).items()))
+        worst = _before_after(og, "worst_peak")
         line = (f"  order: {len(og['edges'])} control edges pin the planned order "
                 f"(peak in the worst order TF's executor may pick {worst})")
         if not og.get("complete", True):
