@@ -545,7 +545,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (may_split && NeedsSplit(plan, planned, planner.budget_bytes)) {
       // Splitting, the fourth choice: only when the others cannot meet the budget.
       const GrapplerItem& planned_item = schedule.edges.empty() ? item : scheduled;
-      s = PlanSplit(planned_item, table, order, flow, options, planner, plan, &split);
+      s = PlanSplit(planned_item, table, order, flow, options, planner, plan, planned, &split);
       if (!s.ok()) return s;
       if (split.applied) {
         plan = std::move(split.chosen.plan);

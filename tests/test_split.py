@@ -117,6 +117,27 @@ def test_enable_split_false_forbids_splitting(seed_cnn):
     assert "the budget cannot be met by swapping and recomputation" in report.to_text()
 
 
+def test_a_split_that_misses_the_budget_too_is_applied_only_where_it_beats_the_plan_without(
+        seed_cnn):
+    step, x, y, before = seed_cnn
+    # 0.1 x the peak: below what 16 slices reach, so no plan meets it. Without
+    # splitting the best plan stays at the largest op's working set; the split's
+    # peak is a quarter of it, so the split is applied, and says it misses.
+    unreachable = int(0.1 * before)
+    _, kept_whole = optimize(step, x, y, budget=unreachable, enable_split=False)
+    graph, report = optimize(step, x, y, budget=unreachable)
+    device = next(iter(report.predicted_peak_bytes["after"]))
+    whole_peak = kept_whole.predicted_peak_bytes["after"][device]
+    split_peak = report.predicted_peak_bytes["after"][device]
+    assert report.fits is False and kept_whole.fits is False
+    assert report.split["applied"] and split_slices(graph)
+    assert split_peak < 0.5 * whole_peak, (split_peak, whole_peak)
+    assert all(not trial["fits"] for trial in report.split["trials"])
+    assert min(max(trial["peak_bytes"]) for trial in report.split["trials"]) == split_peak
+    assert "no split fits the budget; the one applied reaches the lowest peak" in \
+        report.split["note"]
+
+
 def test_splitting_is_used_only_when_the_other_mechanisms_do_not_suffice(seed_cnn):
     step, x, y, before = seed_cnn
     # 0.9 x the peak is above the largest op's working set: recomputation suffices.

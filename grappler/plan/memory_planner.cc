@@ -123,6 +123,11 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
       // mechanism alone is searched as well, exactly as a configuration with the
       // other one disabled would search it, and the best plan is kept: AUTO is
       // never worse than swap only or recompute only.
+      // A search that does not fit judged its plan on the worst allocator history it
+      // had met, which differs from search to search: plans that do not fit are
+      // compared on every history, the figure the report gives for the one applied.
+      if (best.excess > 0) status = planner.OnEveryHistory(&best);
+      if (!status.ok()) return status;
       plan->candidate_plans.push_back(CandidatePlanOf("joint", best));
       plan->candidate_plans.back().simulations = plan->simulations;
       int chosen = 0;
@@ -140,6 +145,7 @@ absl::Status PlanMemory(const TensorTable& table, const std::vector<int>& order,
         Evaluated single;
         status = Search(&planner, &recompute, fixed, only, plan, &single);
         planner.set_cost_bound(0);
+        if (status.ok() && single.excess > 0) status = planner.OnEveryHistory(&single);
         if (!status.ok()) return status;
         plan->candidate_plans.push_back(
             CandidatePlanOf(alone == kSwap ? "swap_only" : "recompute_only", single));

@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grappler/plan/mechanism.h"
+#include "grappler/plan/objective.h"
 #include "tensorflow/core/grappler/utils.h"
 #include "tensorflow/core/platform/logging.h"
 
@@ -197,7 +198,7 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
                        const std::vector<int>& order, const ControlFlowInfo& flow,
                        const MemoryOptimizerOptions& options,
                        const MemoryPlannerOptions& planner, const MemoryPlan& unsplit,
-                       SplitOutcome* out) {
+                       const SimulationResult& unsplit_simulation, SplitOutcome* out) {
   out->planned = true;
   BatchAnalysis batch;
   absl::Status status = AnalyzeBatch(item, table, flow, &batch);
@@ -252,7 +253,13 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
     std::sort(all.begin(), all.end());
     region_sets.push_back(std::move(all));
   }
+  // Candidates that do not fit are judged as the planner judges plans (Objective):
+  // the peak's excess plus the bytes an allocator refusal misses, so that a split
+  // whose peak is lower but whose allocation BFC refuses is not taken for progress.
+  // Only the excess is compared across graphs (the overshoot sums over steps, and a
+  // split graph has more of them).
   const int64_t unsplit_peak = WorstPeak(unsplit.peak_bytes);
+  const int64_t unsplit_excess = Judge(unsplit_simulation, planner.budget_bytes).excess;
   // Each trial plans a whole graph: its own descent gets a quarter of the effort.
   MemoryPlannerOptions trial_planner = planner;
   trial_planner.max_simulations = std::max(1, planner.max_simulations / 4);
@@ -260,7 +267,7 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
   std::vector<std::string> failures;
   int trials = 0;
   for (const std::vector<int>& region : region_sets) {
-    int64_t previous_peak = unsplit_peak;
+    int64_t previous_excess = unsplit_excess;
     const int64_t unit = SliceUnit(table, batch, region);
     for (int k = 2; k <= planner.max_split_slices && !SliceRows(batch.batch, k, unit).empty() &&
                     trials < kMaxTrials;
@@ -311,6 +318,7 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
       result.region_nodes = static_cast<int>(region.size());
       result.peak_bytes = candidate.plan.peak_bytes;
       result.fits = !NeedsSplit(candidate.plan, candidate.simulation, planner.budget_bytes);
+      result.excess = Judge(candidate.simulation, planner.budget_bytes).excess;
       result.added_seconds = AddedCompute(candidate.table) + candidate.plan.added_seconds +
                              kSliceOverheadSeconds * trial->summary.added_nodes;
       out->trials.push_back(result);
@@ -320,13 +328,13 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
           best == nullptr ||
           (result.fits && !best->result.fits) ||
           (result.fits == best->result.fits && !result.fits &&
-           WorstPeak(result.peak_bytes) < WorstPeak(best->result.peak_bytes));
-      const int64_t peak = WorstPeak(result.peak_bytes);
+           result.excess < best->result.excess);
+      const int64_t excess = result.excess;
       if (better) best = std::move(trial);
       if (result.fits) break;  // a larger k only costs more
-      // More slices help only while each slice's working set sets the peak.
-      if (peak >= previous_peak) break;
-      previous_peak = peak;
+      // More slices help only while each slice's working set keeps the plan from fitting.
+      if (excess >= previous_excess) break;
+      previous_excess = excess;
     }
     if (best != nullptr && best->result.fits) break;  // the smaller region suffices
   }
@@ -335,8 +343,16 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
                              failures.empty() ? "" : absl::StrCat(": ", failures.front()));
     return absl::OkStatus();
   }
-  if (!best->result.fits && WorstPeak(best->result.peak_bytes) >= unsplit_peak) {
-    out->note = "no split lowers the predicted peak";
+  if (!best->result.fits && (best->result.excess >= unsplit_excess ||
+                              WorstPeak(best->result.peak_bytes) >= unsplit_peak)) {
+    // Splitting changes the order of the weight gradients' sums. A split that does
+    // not fit either is worth that only when it beats the plan without splitting on
+    // every count: a lower predicted peak, and closer to fitting (allocator refusals
+    // included). Where the two disagree, the prediction cannot tell them apart.
+    out->note = WorstPeak(best->result.peak_bytes) >= unsplit_peak
+                    ? "no split lowers the predicted peak"
+                    : "no split comes closer to fitting: the split with the lowest peak "
+                      "has an allocator refusal that leaves it further from the budget";
     return absl::OkStatus();
   }
   out->applied = true;

@@ -13,8 +13,11 @@
 // Each candidate is built (rewrite/split_pass.h), analyzed afresh like any graph
 // (shapes, sizes, costs, the executor's order) and planned by PlanMemory, which
 // may still recompute or swap (a slice's backward can recompute that slice's
-// forward). The first candidate whose plan fits wins; if none fits, the one with
-// the lowest peak, if it is lower than the plan without splitting.
+// forward). The first candidate whose plan fits wins. If none fits, the one
+// closest to fitting as the planner judges plans (plan/objective.h: the excess over
+// the budget plus an allocator refusal's missing bytes), and only if it beats the
+// plan without splitting on both counts, that and the predicted peak: a split
+// changes the order of the weight gradients' sums, which a tie does not justify.
 //
 // Predicted added time: the split graph's predicted compute minus the original's
 // (OpLevelCostEstimator on the slices' shapes, plus the cuts, joins and sums),
@@ -46,6 +49,7 @@ struct SplitTrial {
   int region_nodes = 0;
   std::vector<int64_t> peak_bytes;  // per device, the plan's predicted peak
   bool fits = false;
+  int64_t excess = 0;  // Objective::excess: over the budget plus a refusal's missing bytes
   double added_seconds = 0;
 };
 
@@ -84,7 +88,7 @@ absl::Status PlanSplit(const tensorflow::grappler::GrapplerItem& item, const Ten
                        const std::vector<int>& order, const ControlFlowInfo& flow,
                        const MemoryOptimizerOptions& options,
                        const MemoryPlannerOptions& planner, const MemoryPlan& unsplit,
-                       SplitOutcome* out);
+                       const SimulationResult& unsplit_simulation, SplitOutcome* out);
 
 // Whether a plan needs splitting: it does not fit, or the allocator model refuses
 // one of its allocations on a device with a budget.
