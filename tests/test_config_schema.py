@@ -79,6 +79,7 @@ BAD_INPUTS = [
     (dict(budget=0.0), ValueError, ["budget=0.0", "(0, 1]"]),
     (dict(budget="12 parsecs"), ValueError, ["budget='12 parsecs'", "GiB"]),
     (dict(budget="GiB"), ValueError, ["budget='GiB'", "not a size"]),
+    (dict(budget="0.5"), ValueError, ["budget='0.5'", "more than 0 bytes", "the float 0.5"]),
     (dict(budget=True), TypeError, ["budget=True", "bool"]),
     (dict(budget=[1]), TypeError, ["budget=[1]", "list"]),
     (dict(bogus_field=1), ValueError, ["'bogus_field'", "allowed fields"]),

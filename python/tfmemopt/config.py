@@ -66,7 +66,12 @@ def parse_size(text, field="budget"):
         )
     value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"tfmemopt: {field}={text!r} must be more than 0 bytes")
+        hint = ""
+        if not unit and field == "budget":
+            # '0.5' reads as half a byte: the user most likely meant a fraction.
+            hint = (f"; a string without a unit is bytes, so for a fraction of device "
+                    f"memory pass the float {float(match.group(1))!r}")
+        raise ValueError(f"tfmemopt: {field}={text!r} must be more than 0 bytes{hint}")
     return value
 
 
