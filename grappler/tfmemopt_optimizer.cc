@@ -448,6 +448,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   if (!status.ok()) return status;
   for (size_t d = 0; d < devices.size(); ++d) {
     devices[d].peak_before_bytes = PredictedPeak(before.devices[d]);
+    devices[d].allocator_refused_before_bytes = before.devices[d].allocator_refused_bytes;
     devices[d].held_outside_bytes = HeldOutsideBytes(
         table, devices[d].device, AllocatorBytesInUse(cluster, devices[d].device));
   }

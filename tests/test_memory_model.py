@@ -6,6 +6,7 @@ allocates, not what the graph suggests.
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -172,7 +173,8 @@ for batch in (1820, 1821):
     report = tfmemopt.analyze(step, x, y, log_level=0, enable_split=False)
     device = report.to_dict()["devices"][0]
     out[batch] = [device["peak_after_bytes"], device["allocator_refused_bytes"],
-                  device["allocator_refused"], report.fits, report.to_text()]
+                  device["allocator_refused"], report.fits, report.to_text(),
+                  device["allocator_refused_before_bytes"]]
 report = tfmemopt.analyze(step, x, y, log_level=0)
 out["split"] = [report.to_dict()["devices"][0]["allocator_refused_bytes"], report.fits,
                 report.split.get("slices")]
@@ -186,13 +188,17 @@ print("RESULT " + json.dumps(out))
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    peak, refused, what, fits, _ = result["1820"]
-    assert refused == 0 and what == "" and fits
-    peak, refused, what, fits, text = result["1821"]
+    peak, refused, what, fits, _, refused_before = result["1820"]
+    assert refused == 0 and what == "" and fits and refused_before == 0
+    peak, refused, what, fits, text, refused_before = result["1821"]
     assert peak < 0.9 * 1024 * MIB  # the peak alone says it fits...
     assert refused == 1821 * 24 * 24 * 64 * 4 and what.endswith("MaxPoolGrad")
     assert fits is False  # ...the allocator model says it does not
     assert f"BFC runs out of memory allocating 256.08 MiB for {what}" in text
+    # Without a plan too: the 'before' peak is where the model stopped, and says so.
+    assert refused_before == refused
+    assert re.search(r"predicted peak over [0-9.]+ MiB \(without a plan BFC runs out of "
+                     r"memory allocating 256\.08 MiB\)", text), text[:600]
     refused, fits, slices = result["split"]
     assert refused == 0 and fits and slices >= 2
 

@@ -172,6 +172,7 @@ std::string MemoryReport::ToJson() const {
         << ",\"max_op_working_set_op\":" << Quote(d.max_op_working_set_op)
         << ",\"allocator_refused_bytes\":" << d.allocator_refused_bytes
         << ",\"allocator_refused\":" << Quote(d.allocator_refused)
+        << ",\"allocator_refused_before_bytes\":" << d.allocator_refused_before_bytes
         << ",\"allocator_history\":" << Quote(d.allocator_history)
         << ",\"allocator_history_peaks\":{";
     for (size_t j = 0; j < d.allocator_history_peaks.size(); ++j) {

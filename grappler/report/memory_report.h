@@ -48,6 +48,10 @@ struct DeviceReport {
   // bytes: none): TF would run out of memory there even below the limit.
   int64_t allocator_refused_bytes = 0;
   std::string allocator_refused;
+  // The same for the original graph: with a refusal, TF would run out of memory
+  // without a plan, and peak_before_bytes is only how far the model got (it
+  // stops at the device's memory), not what the step needs.
+  int64_t allocator_refused_before_bytes = 0;
   // The allocator histories replayed before the step (ResidentHistory in
   // simulate/liveness_simulator.h), each with its peak (0: it refused), and the
   // worst, which the allocator figures above describe.

@@ -94,7 +94,9 @@ class Report:
     top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None;
     False also when the allocator model ran out of memory: to_dict()'s devices carry
     allocator_refused_bytes and allocator_refused, the first allocation BFC's model could
-    not place; allocator_history_peaks, the model's peak after each history of the memory
+    not place, and allocator_refused_before_bytes, the first such allocation of the
+    original graph: without a plan TF runs out of memory, and the 'before' peak is only
+    how far the model got; allocator_history_peaks, the model's peak after each history of the memory
     before the step that it replays, 0 for one that ran out, and allocator_history, the
     worst of them, which the device's figures describe),
     recompute (what recomputation did: policy, nodes, added_seconds, step_seconds,
@@ -276,8 +278,13 @@ class Report:
         for d in self._data["devices"]:
             name = d["device"] or "(unplaced)"
             budget = format_bytes(d["budget_bytes"]) if d["budget_bytes"] else "unknown"
+            before = format_bytes(d["peak_before_bytes"])
+            if d.get("allocator_refused_before_bytes"):
+                # The model stopped at the device's memory: the step needs more.
+                before = (f"over {before} (without a plan BFC runs out of memory allocating "
+                          f"{format_bytes(d['allocator_refused_before_bytes'])})")
             lines.append(
-                f"  {name}: predicted peak {format_bytes(d['peak_before_bytes'])}"
+                f"  {name}: predicted peak {before}"
                 f" -> {format_bytes(d['peak_after_bytes'])}, budget {budget}"
                 f" (device memory {format_bytes(d['memory_bytes'])} from "
                 f"{d['memory_source']}"
