@@ -240,6 +240,35 @@ def text_cnn(batch=64, seq=256, vocab=20000, dim=128, filters=256):
     return _train_step(model, _XENT), (x, y)
 
 
+def wavenet(batch=42, steps=2048, channels=32, layers=10):
+    """A WaveNet-like stack: a causal Conv1D, then `layers` gated units (tanh and
+    sigmoid dilated causal convolutions, dilation 1, 2, 4, ..., multiplied), each
+    with a residual and a skip 1x1 convolution; the skips summed, ReLU, two 1x1
+    convolutions to 256 logits per step (sparse cross-entropy at every step).
+    Its backward reads every gate, so plans swap and recompute many same-sized
+    tensors whose order TF's executor is free to change."""
+    layers_ = tf.keras.layers
+    tf.keras.utils.set_random_seed(0)
+    inp = tf.keras.Input((steps, 1))
+    x = layers_.Conv1D(channels, 2, padding="causal")(inp)
+    skips = []
+    for i in range(layers):
+        f = layers_.Conv1D(channels, 2, dilation_rate=2**i, padding="causal",
+                           activation="tanh")(x)
+        g = layers_.Conv1D(channels, 2, dilation_rate=2**i, padding="causal",
+                           activation="sigmoid")(x)
+        h = layers_.Multiply()([f, g])
+        skips.append(layers_.Conv1D(channels, 1)(h))
+        x = layers_.Add()([x, layers_.Conv1D(channels, 1)(h)])
+    s = layers_.Activation("relu")(layers_.Add()(skips))
+    s = layers_.Conv1D(64, 1, activation="relu")(s)
+    model = tf.keras.Model(inp, layers_.Conv1D(256, 1)(s))
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((batch, steps, 1)).astype(np.float32))
+    y = tf.constant(rng.integers(0, 256, size=(batch, steps), dtype=np.int32))
+    return _train_step(model, _XENT), (x, y)
+
+
 def v1_session_cnn(batch=128, size=32, width=32):
     """A tf.compat.v1 graph run by a Session: conv-ReLU-conv-ReLU-maxpool twice,
     dense 256, dense 10, softmax cross-entropy, Momentum (v1 optimizer). The

@@ -18,7 +18,7 @@ With --order FILE it also writes the kernels in the order the executor started
 them (the profiler's host trace at level 3), one node name per line.
 
 Usage: python benchmarks/trace_step_memory.py MODEL [--inter-op N] [--warmup N]
-           [--top 15] [--order FILE] [--budget BYTES] [--batch N]
+           [--top 15] [--order FILE] [--budget BYTES] [--batch N] [--plan-cap-mb MIB]
 With --budget the pass plans under that budget and the prediction is the plan's.
 """
 
@@ -113,6 +113,11 @@ def main():
     parser.add_argument("--budget", type=int, default=0,
                         help="plan under this many bytes (default: ANALYZE_ONLY)")
     parser.add_argument("--batch", type=int, help="the model's batch size (default: its own)")
+    parser.add_argument("--plan-cap-mb", type=int, metavar="MIB",
+                        help="plan as if the device had this much memory (the pass reads "
+                             "TF_CPU_BFC_MEM_LIMIT_IN_MB when it plans) while TF's allocator "
+                             "keeps its own, larger limit: a plan that runs out of memory "
+                             "under that cap can be traced to its full peak")
     parser.add_argument("--events", metavar="REGEX",
                         help="also print every allocation and free by kernels matching REGEX")
     args = parser.parse_args()
@@ -130,17 +135,24 @@ def main():
         if args.inter_op:
             tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
         import tfmemopt
+        import models
         from models import MODELS
 
-        if args.model not in MODELS:
-            parser.error(f"model {args.model!r}; allowed: {', '.join(MODELS)}")
+        # The benchmarks' models, and any other model function of models.py.
+        build = MODELS.get(args.model) or getattr(models, args.model, None)
+        if not callable(build):
+            parser.error(f"model {args.model!r}; allowed: {', '.join(MODELS)} or a "
+                         f"function of benchmarks/models.py")
         tf.keras.utils.set_random_seed(0)
         if args.budget:
             tfmemopt.enable(budget=args.budget, log_level=0)
         else:
             tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0)
         kwargs = {"batch": args.batch} if args.batch else {}
-        step, step_args = MODELS[args.model](**kwargs)
+        step, step_args = build(**kwargs)
+        if args.plan_cap_mb:
+            tf.constant(0.0) + 1.0  # TF's allocator now exists, with its own limit
+            os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(args.plan_cap_mb)
         for _ in range(args.warmup):
             step(*step_args)
     finally:
@@ -161,6 +173,12 @@ def main():
 
     print(f"{args.model}: measured peak {measured / MIB:.1f} MiB (this step), predicted "
           f"{predicted / MIB:.1f} MiB (model's live tensors {report.to_dict()['devices'][0]['live_peak_bytes'] / MIB:.1f} MiB)")
+    if args.budget:
+        guard = report.order_guard
+        print(f"plan: {len(report.recomputed_ops)} ops recomputed, {len(report.swapped_tensors)} "
+              f"tensors swapped, {len(guard.get('edges', []))} order edges (worst inline "
+              f"choice {guard.get('worst_peak_before_bytes', {}).get('CPU:0', 0) / MIB:.1f} MiB "
+              f"unpinned)")
     first = events[0]
     before = first["bytes_allocated"] - (first["allocation_bytes"] if first["kind"] == "MemoryAllocation"
                                          else -first["allocation_bytes"])

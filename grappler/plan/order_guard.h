@@ -7,7 +7,9 @@
 // peak is low in that order can be much higher in another: a split's slices, a
 // clone's reader, a weight gradient run before or after the data gradient of the
 // same layer. The guard simulates the rewritten graph under every choice; when one
-// of them exceeds a device's budget, it pins the planned order with control edges
+// of them peaks above the planned order (on a device whose budget the planned order
+// meets; the choices are a sample of what the executor does, not a bound, so the
+// budget is not the threshold), it pins the planned order with control edges
 // (PinOrder over every choice, plan/pin_order.h), so that whichever successor TF
 // takes, the order run is the one planned. What it cannot pin (nodes under control
 // flow, the edge limit) it reports, and the plan's peak is then the worst choice's;
