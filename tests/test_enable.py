@@ -144,6 +144,31 @@ def test_unknown_batch_dimension_is_resolved_by_assume_batch_size():
         known.predicted_peak_bytes["before"]["CPU:0"], rel=1e-3)
 
 
+def test_dimensions_left_unknown_with_the_batch_given_are_not_blamed_on_the_batch(tmp_path):
+    # boolean_mask keeps rows known only when the step runs: assume_batch_size sizes
+    # the batch, not them, and the report does not ask for what is already set.
+    weights = tf.Variable(tf.ones([FEATURES, CLASSES]))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, FEATURES], tf.float32)])
+    def masked_step(x):
+        with tf.GradientTape() as tape:
+            kept = tf.boolean_mask(x, x[:, 0] > 0.5)
+            loss = tf.reduce_sum(tf.matmul(kept, weights))
+        return tape.gradient(loss, weights)
+
+    tfmemopt.enable("1GiB", assume_batch_size=BATCH)
+    x, _ = mlp_batch(batch=BATCH)
+    masked_step(x)
+    (report,) = reports_for("__inference_masked_step")
+    assert report.unresolved_tensors > 0
+    text = report.to_text()
+    assert f"assume_batch_size={BATCH} is set, so these are dimensions other than the " \
+           "inputs' batch" in text
+    assert "set assume_batch_size" not in text
+    report.to_html(tmp_path / "report.html")
+    assert "set assume_batch_size" not in (tmp_path / "report.html").read_text()
+
+
 def test_keras_fit_gets_a_report():
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential([

@@ -363,8 +363,9 @@ std::string MemoryReport::Summary() const {
   }
   if (unresolved_tensors > 0) {
     absl::StrAppend(&line, "; ", unresolved_tensors,
-                    " tensors have unknown dimensions (counted as 1; set "
-                    "assume_batch_size)");
+                    " tensors have unknown dimensions (counted as 1",
+                    options.assume_batch_size > 0 ? "; not the inputs' batch, which is set)"
+                                                  : "; set assume_batch_size)");
   }
   if (options.mode == Mode::kAnalyzeOnly) absl::StrAppend(&line, " [analyze only]");
   return line;

@@ -264,6 +264,16 @@ class Report:
             data["measured_peak_bytes"] = dict(self.measured_peak_bytes)
         return data
 
+    def _unresolved_hint(self):
+        """What a user can do about tensors of unknown size."""
+        if self._data.get("assume_batch_size"):
+            # The batch is given: what is left is not the inputs' batch dimension (a
+            # loop's plumbing, a shape only the running graph knows).
+            return (f"assume_batch_size={self._data['assume_batch_size']} is set, so these "
+                    "are dimensions other than the inputs' batch, which TF's shape "
+                    "inference does not give")
+        return "set assume_batch_size to resolve the batch dimension"
+
     def to_text(self):
         lines = [f"TfMemOpt report for graph {self.graph_id} ({self.mode})"]
         if self.status != "ok":
@@ -312,7 +322,7 @@ class Report:
             examples = ", ".join(self._data["unresolved_examples"])
             lines.append(
                 f"  {self.unresolved_tensors} tensors have unknown dimensions, counted as 1"
-                f" (e.g. {examples}); set assume_batch_size to resolve the batch dimension"
+                f" (e.g. {examples}); {self._unresolved_hint()}"
             )
         if self._data.get("min_tensor_bytes_adaptive") and 0 <= self.min_tensor_bytes < 2**20:
             lines.append(
@@ -631,8 +641,8 @@ class Report:
         if self.unresolved_tensors:
             parts.append(
                 f"<p>{self.unresolved_tensors} tensors have unknown dimensions, counted as 1 "
-                f"(e.g. {esc(', '.join(self._data.get('unresolved_examples', [])))}); set "
-                "assume_batch_size to resolve the batch dimension</p>")
+                f"(e.g. {esc(', '.join(self._data.get('unresolved_examples', [])))}); "
+                f"{esc(self._unresolved_hint())}</p>")
         parts.append(
             "<table><thead><tr><th>device</th><th>predicted peak</th><th>before the plan"
             "</th><th>budget</th><th>persistent</th><th>fits</th></tr></thead><tbody>")
