@@ -237,7 +237,7 @@ def text_cnn_analyzed():
 
 def test_the_allocator_model_predicts_the_worst_of_the_histories_before_the_step(
         text_cnn_analyzed):
-    # text_cnn's unplanned peak, the same script, measured 109.2 to 153.9 MiB from one
+    # text_cnn's unplanned peak, the same script, measured 103.4 to 148.6 MiB from one
     # process to the next (docs/accuracy.md): which chunks the step's tensors land in
     # depends on how the variables were made before it, which the graph does not say.
     # The model replays four such histories and predicts the worst.

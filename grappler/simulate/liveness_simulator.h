@@ -38,7 +38,7 @@ namespace tfmemopt {
 // it was assigned. BFC never gives a region back, so that history decides which
 // chunks the step's tensors land in, and a chunk less than twice a request is not
 // split: the same script's peak moves by tens of MiB from one process to the next
-// (docs/accuracy.md: text_cnn's unplanned peak measured 109.2 to 153.9 MiB). The model
+// (docs/accuracy.md: text_cnn's unplanned peak measured 103.4 to 148.6 MiB). The model
 // cannot know the history, so it replays several plausible ones.
 enum class ResidentHistory {
   kGraphOrder,          // resident buffers made in the graph's order
