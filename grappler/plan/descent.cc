@@ -61,7 +61,7 @@ bool Planner::ReplaysOneHistory() const {
 }
 
 absl::Status Planner::OnEveryHistory(Evaluated* state) {
-  if (!ReplaysOneHistory()) return absl::OkStatus();
+  if (!ReplaysOneHistory() || state->every_history) return absl::OkStatus();
   every_history_ = true;
   Evaluated again;
   absl::Status status = EvaluateAs(state->choice, &again);
@@ -190,8 +190,10 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
   SimulationOptions one = all;
   if (one_first) one.allocator_histories = {worst_history_};
   status = Simulate(work_, out->order, one, &out->simulation);
+  out->every_history = allocator_ && HasAllocatorModel() && !one_first;
   if (status.ok() && one_first && Judge(out->simulation, ctx_.options.budget_bytes).fits()) {
     status = Simulate(work_, out->order, all, &out->simulation);
+    out->every_history = true;
     const int worst = Judge(out->simulation, ctx_.options.budget_bytes).worst_device;
     if (status.ok() && worst >= 0) {
       worst_history_ = out->simulation.devices[worst].allocator_history;

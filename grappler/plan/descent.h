@@ -43,6 +43,9 @@ struct Evaluated {
   int worst_device = -1;
   Focus focus = Focus::kLivePeak;
   double seconds = 0;  // predicted added time
+  // The allocator model replayed every history (not the worst so far alone), so
+  // Planner::OnEveryHistory has nothing to add.
+  bool every_history = false;
 
   Objective objective() const {
     Objective o;
@@ -82,7 +85,8 @@ class Planner {
   absl::Status UseAllocatorModel(Evaluated* state);
   // Re-simulates `state`'s own choice replaying every allocator history: the search
   // judges a plan that does not fit on the worst history so far alone, and two such
-  // plans compare only when judged on the same histories.
+  // plans compare only when judged on the same histories. A state already judged on
+  // every history is left as it is.
   absl::Status OnEveryHistory(Evaluated* state);
 
   // Greedy descent from `fixed` plus `groups`; only the mechanisms marked in
