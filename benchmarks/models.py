@@ -269,6 +269,27 @@ def wavenet(batch=42, steps=2048, channels=32, layers=10):
     return _train_step(model, _XENT), (x, y)
 
 
+def bidirectional_lstm(batch=72, steps=200, vocab=10000, dim=64, units=(128, 64)):
+    """A text classifier: Embedding (mask_zero, the last steps padding) into two
+    Bidirectional LSTMs, dense 64 with dropout, 5 classes. TF runs each layer's two
+    directions side by side, and every loop pushes one element per step onto its
+    TensorLists: BFC's regions fill with small chunks and holes, and near the cap
+    the large gradients after the loops find no chunk to fit in."""
+    layers_ = tf.keras.layers
+    tf.keras.utils.set_random_seed(0)
+    inp = tf.keras.Input((steps,), dtype="int32")
+    x = layers_.Embedding(vocab, dim, mask_zero=True)(inp)
+    x = layers_.Bidirectional(layers_.LSTM(units[0], return_sequences=True))(x)
+    x = layers_.Bidirectional(layers_.LSTM(units[1]))(x)
+    x = layers_.Dropout(0.2)(layers_.Dense(64, activation="relu")(x))
+    model = tf.keras.Model(inp, layers_.Dense(5)(x))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, vocab, size=(batch, steps)).astype(np.int32)
+    tokens[:, -25:] = 0  # padding
+    y = tf.constant(rng.integers(0, 5, size=(batch,), dtype=np.int32))
+    return _train_step(model, _XENT), (tf.constant(tokens), y)
+
+
 def v1_session_cnn(batch=128, size=32, width=32):
     """A tf.compat.v1 graph run by a Session: conv-ReLU-conv-ReLU-maxpool twice,
     dense 256, dense 10, softmax cross-entropy, Momentum (v1 optimizer). The

@@ -52,44 +52,54 @@ int64_t BfcAllocatorModel::Allocate(int64_t bytes) {
     it = free_.lower_bound({rounded, -1});
     if (it == free_.end()) return -1;
   }
-  const int64_t address = it->second;
+  const auto [size, address] = *it;
   free_.erase(it);
-  Chunk& chunk = chunks_[address];
-  if (chunk.size >= 2 * rounded || chunk.size - rounded >= kMaxInternalFragmentation) {
-    Chunk rest{chunk.size - rounded, chunk.region, false};
-    chunk.size = rounded;
-    chunks_[address + rounded] = rest;
-    free_.insert({rest.size, address + rounded});
+  // (A btree's insertions and erasures move its elements: no reference into
+  // chunks_ is kept across one.)
+  auto chunk = chunks_.find(address);
+  chunk->second.in_use = true;
+  int64_t used = size;
+  if (size >= 2 * rounded || size - rounded >= kMaxInternalFragmentation) {
+    chunk->second.size = rounded;
+    used = rounded;
+    const int region = chunk->second.region;
+    chunks_.emplace(address + rounded, Chunk{size - rounded, region, false});
+    free_.insert({size - rounded, address + rounded});
   }
-  chunk.in_use = true;
-  in_use_ += chunk.size;
+  in_use_ += used;
   peak_ = std::max(peak_, in_use_);
   return address;
 }
 
 void BfcAllocatorModel::InsertFree(int64_t address) {
   auto it = chunks_.find(address);
+  int64_t start = address;
+  int64_t size = it->second.size;
+  const int region = it->second.region;
   // Merge with the next chunk, then with the previous one, when free and in the
   // same region.
   auto next = std::next(it);
-  if (next != chunks_.end() && !next->second.in_use &&
-      next->second.region == it->second.region &&
-      next->first == it->first + it->second.size) {
+  if (next != chunks_.end() && !next->second.in_use && next->second.region == region &&
+      next->first == start + size) {
     free_.erase({next->second.size, next->first});
-    it->second.size += next->second.size;
+    size += next->second.size;
     chunks_.erase(next);
+    it = chunks_.find(start);
+    it->second.size = size;
   }
   if (it != chunks_.begin()) {
     auto prev = std::prev(it);
-    if (!prev->second.in_use && prev->second.region == it->second.region &&
-        prev->first + prev->second.size == it->first) {
-      free_.erase({prev->second.size, prev->first});
-      prev->second.size += it->second.size;
+    if (!prev->second.in_use && prev->second.region == region &&
+        prev->first + prev->second.size == start) {
+      const int64_t prev_start = prev->first;
+      free_.erase({prev->second.size, prev_start});
+      size += prev->second.size;
       chunks_.erase(it);
-      it = prev;
+      chunks_.find(prev_start)->second.size = size;
+      start = prev_start;
     }
   }
-  free_.insert({it->second.size, it->first});
+  free_.insert({size, start});
 }
 
 int64_t BfcAllocatorModel::RoundedBytes(int64_t bytes) { return Rounded(bytes); }

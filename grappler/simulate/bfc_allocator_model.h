@@ -13,11 +13,12 @@
 #define TFMEMOPT_GRAPPLER_SIMULATE_BFC_ALLOCATOR_MODEL_H_
 
 #include <cstdint>
-#include <map>
-#include <set>
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include "absl/container/btree_map.h"
+#include "absl/container/btree_set.h"
 
 namespace tfmemopt {
 
@@ -64,8 +65,10 @@ class BfcAllocatorModel {
   int64_t in_use_ = 0;
   int64_t peak_ = 0;
   int64_t pool_ = 0;
-  std::map<int64_t, Chunk> chunks_;             // by address
-  std::set<std::pair<int64_t, int64_t>> free_;  // (size, address)
+  // B-trees rather than std::map/set: a simulation of a loop replays every
+  // iteration's allocations, and the planner simulates many plans.
+  absl::btree_map<int64_t, Chunk> chunks_;             // by address
+  absl::btree_set<std::pair<int64_t, int64_t>> free_;  // (size, address)
 };
 
 }  // namespace tfmemopt

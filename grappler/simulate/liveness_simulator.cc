@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <deque>
+#include <limits>
+#include <map>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -412,16 +414,75 @@ class PeakSetListener : public Listener {
   std::vector<int>* live_;
 };
 
+// One allocator event of a loop body's run (see AllocatorListener's loop
+// iterations).
+enum ScriptKind { kAlloc, kFree, kReuse, kPiece, kPop, kScratch };
+struct ScriptEvent {
+  ScriptKind kind;
+  int id;     // buffer (kScratch: node)
+  int other;  // kReuse: the buffer that takes the memory over
+};
+
+// What one device's allocator replays share about the loops: each loop body's
+// events (the same in every step and history: they come from the order, not from
+// the allocator), and which loops TF may run at the same time.
+struct LoopScripts {
+  std::vector<std::vector<ScriptEvent>> events;  // per loop; empty: run once
+  // [a][b]: neither loop depends on the other (a bidirectional RNN's two
+  // directions), so TF's inter-op threads run their iterations side by side.
+  std::vector<std::vector<bool>> concurrent;
+};
+
+// Whether each pair of loops is independent: neither reaches the other's Enter
+// nodes through data or control inputs.
+std::vector<std::vector<bool>> IndependentLoops(const TensorTable& table) {
+  const int num_loops = static_cast<int>(table.loops.loops.size());
+  std::vector<std::vector<bool>> upstream(num_loops, std::vector<bool>(num_loops, false));
+  for (int l = 0; l < num_loops; ++l) {
+    std::vector<bool> seen(table.nodes.size(), false);
+    std::vector<int> stack;
+    auto visit = [&](int n) {
+      if (n >= 0 && !seen[n]) {
+        seen[n] = true;
+        stack.push_back(n);
+      }
+    };
+    for (int e : table.loops.loops[l].enters) {
+      for (int t : table.nodes[e].inputs) visit(table.tensors[t].node);
+      for (int c : table.nodes[e].control_inputs) visit(c);
+    }
+    while (!stack.empty()) {
+      const int n = stack.back();
+      stack.pop_back();
+      const int loop = LoopOf(table, n);
+      if (loop >= 0 && loop != l) upstream[l][loop] = true;
+      for (int t : table.nodes[n].inputs) visit(table.tensors[t].node);
+      for (int c : table.nodes[n].control_inputs) visit(c);
+    }
+  }
+  std::vector<std::vector<bool>> independent(num_loops, std::vector<bool>(num_loops, false));
+  for (int a = 0; a < num_loops; ++a) {
+    for (int b = 0; b < num_loops; ++b) {
+      independent[a][b] = a != b && !upstream[a][b] && !upstream[b][a];
+    }
+  }
+  return independent;
+}
+
 // Replays one device's allocations through the BFC model.
 class AllocatorListener : public Listener {
  public:
   AllocatorListener(const TensorTable& table, const std::vector<int>& order,
                     const std::vector<int>& device_of_node,
                     const std::vector<int>& device_of_buffer, int device,
-                    BfcAllocatorModel* allocator)
+                    BfcAllocatorModel* allocator, const LoopScripts* loops = nullptr,
+                    LoopScripts* record = nullptr)
       : table_(table), order_(order), device_of_node_(device_of_node),
         device_of_buffer_(device_of_buffer), device_(device), allocator_(allocator),
-        chunk_(table.buffers.size(), -2), old_copies_(table.buffers.size()) {}
+        shared_(loops), record_(record),
+        chunk_(table.buffers.size(), -2), old_copies_(table.buffers.size()) {
+    FindIteratedLoops();
+  }
 
   // Variables, constants and the caller's inputs exist before the step; `history`
   // says in which order they were made, and how.
@@ -452,28 +513,68 @@ class AllocatorListener : public Listener {
   }
   // Frees what a step left behind (fetched outputs, old variable copies).
   void EndStep() {
+    ReplayLoopsEndedBefore(static_cast<int>(order_.size()));
+    ending_ = true;
     for (size_t b = 0; b < chunk_.size(); ++b) {
       if (!table_.buffers[b].persistent && !table_.buffers[b].external) Freed(b);
       OldCopiesFreed(b);
     }
+    ending_ = false;
+    for (auto* lists : {&draining_, &phantom_}) {
+      for (auto& [b, elements] : *lists) {
+        for (int64_t chunk : elements) Free(chunk);
+      }
+      lists->clear();
+    }
+    std::fill(done_.begin(), done_.end(), false);
     next_step_ = 0;
   }
 
   void Allocated(int b) override {
+    ReplayLoopsEndedBefore(next_step_);
     if (!Mine(b)) return;
-    chunk_[b] = Allocate(b);
+    if (filled_by_loop_[b] >= 0 && done_[filled_by_loop_[b]]) {
+      // Its loop's iterations were played beside another loop's: they made its elements.
+      auto it = phantom_.find(b);
+      if (it != phantom_.end() && !it->second.empty()) {
+        chunk_[b] = it->second.front();
+        pieces_[chunk_[b]].assign(it->second.begin() + 1, it->second.end());
+        phantom_.erase(it);
+        step_bytes_ += table_.buffers[b].bytes;
+        return;
+      }
+    }
+    const int loop = RecordingLoop(next_step_);
+    const bool filled_here = loop >= 0 && filled_by_loop_[b] == loop;
+    chunk_[b] = Allocate(b, /*first_piece_only=*/filled_here);
     step_bytes_ += table_.buffers[b].bytes;
+    if (loop >= 0) {
+      scripts_[loop].push_back({filled_here ? kPiece : kAlloc, b, 0});
+    }
   }
   void Freed(int b) override {
+    const int loop = ending_ ? -1 : RecordingLoop(next_step_ - 1);
+    if (loop >= 0 && drained_by_loop_[b] == loop && chunk_[b] >= 0) {
+      // The gradient loop pops one element per iteration: only the last is gone.
+      Detach(b);
+      scripts_[loop].push_back({kPop, b, 0});
+      PopPiece(b);
+      return;
+    }
+    if (loop >= 0 && chunk_[b] >= 0) scripts_[loop].push_back({kFree, b, 0});
     Free(chunk_[b]);
     chunk_[b] = -2;
   }
   void Reused(int from, int to) override {
+    ReplayLoopsEndedBefore(next_step_);
+    const int loop = RecordingLoop(next_step_);
+    if (loop >= 0) scripts_[loop].push_back({kReuse, from, to});
     chunk_[to] = chunk_[from];
     chunk_[from] = -2;
     Own(chunk_[to], to);
   }
   void VariableCopied(int b) override {
+    ReplayLoopsEndedBefore(next_step_);
     if (!Mine(b)) return;
     old_copies_[b].push_back(chunk_[b]);
     Own(chunk_[b], -2);
@@ -486,15 +587,12 @@ class AllocatorListener : public Listener {
   }
   void Step(size_t step) override {
     const int n = order_[step];
+    ReplayLoopsEndedBefore(static_cast<int>(step));
     next_step_ = static_cast<int>(step);
     if (device_of_node_[n] == device_ && table_.nodes[n].temp_bytes > 0) {
-      const int64_t chunk = allocator_->Allocate(table_.nodes[n].temp_bytes);
-      if (chunk < 0) {
-        Refused(table_.nodes[n].temp_bytes,
-                absl::StrCat("scratch of ", table_.nodes[n].def->name()));
-      }
-      Measure();
-      allocator_->Free(chunk);
+      Scratch(n);
+      const int loop = RecordingLoop(static_cast<int>(step));
+      if (loop >= 0) scripts_[loop].push_back({kScratch, n, 0});
     }
     next_step_ = static_cast<int>(step) + 1;
     // The measured step, kernel by kernel, for benchmarks/trace_step_memory.py.
@@ -570,7 +668,7 @@ class AllocatorListener : public Listener {
 
   // A buffer of several pieces is several chunks; the id of its first piece
   // stands for them all.
-  int64_t Allocate(int b) {
+  int64_t Allocate(int b, bool first_piece_only = false) {
     const BufferInfo& buffer = table_.buffers[b];
     const int64_t piece = buffer.pieces > 1 ? buffer.bytes / buffer.pieces : 0;
     const int64_t first = allocator_->Allocate(piece > 0 ? piece : buffer.bytes);
@@ -582,6 +680,7 @@ class AllocatorListener : public Listener {
     Measure();
     if (piece <= 0) return first;
     std::vector<int64_t>& rest = pieces_[first];
+    if (first_piece_only) return first;  // the loop's later iterations add the rest
     for (int64_t i = 1; i < buffer.pieces; ++i) {
       rest.push_back(allocator_->Allocate(piece));
       if (rest.back() < 0) {
@@ -607,12 +706,328 @@ class AllocatorListener : public Listener {
     owner_.erase(chunk);
   }
 
+  // Loop iterations. A simulation runs a loop's body once, but TF runs it once per
+  // iteration, and BFC sees every iteration's allocations: the element each
+  // iteration pushes onto a TensorList is allocated between that iteration's
+  // temporaries, which are freed when the iteration is done. The list's elements
+  // end up spread over the regions with holes between them that only small
+  // tensors fit, and a gradient loop that pops one element per iteration frees
+  // them one by one. A list allocated whole, in one contiguous run, leaves large
+  // free chunks behind it that BFC does not have, so the model would place
+  // tensors that TF cannot (a 16.6 MiB gradient beside a bidirectional LSTM's
+  // lists). So the body's allocator events are recorded as the simulation runs
+  // it (iteration 0) and played again for iterations 1 .. trip count - 1 once the
+  // loop's last node has run: temporaries allocated and freed again, one more
+  // element of each list the loop fills, one element fewer of each list it pops.
+  // Loops inside other loops, and loops of unknown trip count, run once.
+  void FindIteratedLoops() {
+    const LoopAnalysis& loops = table_.loops;
+    const int num_loops = static_cast<int>(loops.loops.size());
+    filled_by_loop_.assign(table_.buffers.size(), -1);
+    drained_by_loop_.assign(table_.buffers.size(), -1);
+    last_step_of_loop_.assign(num_loops, -1);
+    first_step_of_loop_.assign(num_loops, -1);
+    done_.assign(num_loops, false);
+    scripts_.assign(num_loops, {});
+    if (num_loops == 0) return;
+    std::vector<bool> iterated(num_loops, false);
+    for (int l = 0; l < num_loops; ++l) {
+      const LoopFrame& loop = loops.loops[l];
+      bool nested = false;
+      for (int e : loop.enters) {
+        for (int t : table_.nodes[e].inputs) nested = nested || LoopOf(table_, table_.tensors[t].node) >= 0;
+      }
+      iterated[l] = loop.trip_count > 1 && !nested;
+    }
+    bool any = false;
+    for (size_t b = 0; b < table_.buffers.size(); ++b) {
+      const BufferInfo& buffer = table_.buffers[b];
+      if (buffer.pieces <= 1) continue;
+      const int filler = buffer.allocated_by >= 0 ? LoopOf(table_, buffer.allocated_by) : -1;
+      const int drainer = buffer.drained_by >= 0 ? LoopOf(table_, buffer.drained_by) : -1;
+      if (filler >= 0 && iterated[filler]) filled_by_loop_[b] = filler;
+      if (drainer >= 0 && iterated[drainer]) drained_by_loop_[b] = drainer;
+      any = any || filled_by_loop_[b] >= 0 || drained_by_loop_[b] >= 0;
+    }
+    if (!any) return;
+    for (size_t step = 0; step < order_.size(); ++step) {
+      const int loop = LoopOf(table_, order_[step]);
+      if (loop < 0 || !iterated[loop]) continue;
+      last_step_of_loop_[loop] = static_cast<int>(step);
+      if (first_step_of_loop_[loop] < 0) first_step_of_loop_[loop] = static_cast<int>(step);
+    }
+    iterated_ = true;
+  }
+
+  // The loop whose body events at `step` are recorded, or -1.
+  int RecordingLoop(int step) const {
+    if (!iterated_ || step < 0 || step >= static_cast<int>(order_.size())) return -1;
+    const int loop = LoopOf(table_, order_[step]);
+    return loop >= 0 && last_step_of_loop_[loop] >= 0 && !done_[loop] ? loop : -1;
+  }
+
+  // Plays the iterations of every loop whose last node ran before `step`. A loop
+  // that TF runs side by side with it (independent, and not started yet in the
+  // simulated order) is played with it, iteration by iteration, from the events
+  // its own run will record: their elements interleave in BFC's regions, and when
+  // one loop's lists go, they leave holes between the other's.
+  void ReplayLoopsEndedBefore(int step) {
+    if (!iterated_) return;
+    for (size_t l = 0; l < scripts_.size(); ++l) {
+      if (scripts_[l].empty() || last_step_of_loop_[l] >= step) continue;
+      if (record_ != nullptr) {
+        record_->events[l] = std::move(scripts_[l]);
+        scripts_[l].clear();
+        continue;
+      }
+      std::vector<int> beside;
+      for (size_t m = 0; shared_ != nullptr && m < scripts_.size(); ++m) {
+        if (shared_->concurrent[l][m] && !done_[m] && !shared_->events[m].empty() &&
+            first_step_of_loop_[m] > last_step_of_loop_[l] &&
+            WithinReplayBound(static_cast<int>(m), shared_->events[m])) {
+          beside.push_back(static_cast<int>(m));
+        }
+      }
+      ReplayIterations(static_cast<int>(l), beside);
+    }
+  }
+
+  // One loop's iterations 1 .. trip count - 1, and with them all iterations of
+  // the loops `beside` (whose own run is then skipped).
+  void ReplayIterations(int loop, std::vector<int> beside) {
+    struct Player {
+      int loop;
+      std::vector<ScriptEvent> full, layout;
+      int64_t first, trips;
+      bool phantom;
+    };
+    std::vector<Player> players;
+    players.push_back({loop, std::move(scripts_[loop]), {}, 1,
+                       table_.loops.loops[loop].trip_count, false});
+    scripts_[loop].clear();
+    if (!WithinReplayBound(loop, players.front().full)) {
+      // Too long a loop to play: its lists fill at once, as one run of the body.
+      for (const ScriptEvent& e : players.front().full) {
+        if (e.kind == kPiece) {
+          while (AddPiece(e.id)) {
+          }
+        }
+      }
+      beside.clear();
+    }
+    for (int m : beside) {
+      players.push_back({m, shared_->events[m], {}, 0, table_.loops.loops[m].trip_count, true});
+      done_[m] = true;
+    }
+    int64_t trips = 0;
+    if (!WithinReplayBound(loop, players.front().full)) players.front().trips = 1;
+    for (Player& player : players) {
+      // Every iteration but the last plays only what shapes the lists' layout;
+      // the last plays everything, for the loop's peak with its lists full.
+      player.layout = LayoutEvents(player.full);
+      trips = std::max(trips, player.trips);
+    }
+    for (int64_t k = 0; k < trips; ++k) {
+      for (const Player& player : players) {
+        if (k < player.first || k >= player.trips) continue;
+        PlayIteration(k + 1 < player.trips ? player.layout : player.full, k, player.phantom);
+      }
+    }
+    // Whatever a loop did not pop (a list longer than the trip count) goes with it.
+    for (const Player& player : players) {
+      for (const ScriptEvent& e : player.full) {
+        if (e.kind != kPop) continue;
+        auto it = draining_.find(e.id);
+        if (it == draining_.end()) continue;
+        for (int64_t chunk : it->second) Free(chunk);
+        draining_.erase(it);
+      }
+    }
+  }
+
+  // One iteration of a loop body's events. `phantom`: the loop has not run yet,
+  // its lists' elements are made here and handed to the lists when it does.
+  void PlayIteration(const std::vector<ScriptEvent>& events, int64_t k, bool phantom) {
+    std::map<int, int64_t> chunks;  // this iteration's temporaries: buffer -> chunk
+    for (const ScriptEvent& e : events) {
+      switch (e.kind) {
+        case kAlloc: {
+          const int64_t chunk = allocator_->Allocate(table_.buffers[e.id].bytes);
+          if (chunk < 0) {
+            Refused(table_.buffers[e.id].bytes,
+                    absl::StrCat(table_.TensorName(table_.buffers[e.id].owner), " (iteration ",
+                                 k, ")"));
+            break;
+          }
+          owner_[chunk] = e.id;
+          Measure();
+          chunks[e.id] = chunk;
+          break;
+        }
+        case kFree:
+          if (auto it = chunks.find(e.id); it != chunks.end()) {
+            Free(it->second);
+            chunks.erase(it);
+          }
+          break;
+        case kReuse:
+          if (auto it = chunks.find(e.id); it != chunks.end()) {
+            chunks[e.other] = it->second;
+            chunks.erase(e.id);
+          }
+          break;
+        case kPiece:
+          if (phantom) {
+            AddPhantomPiece(e.id);
+          } else {
+            AddPiece(e.id);
+          }
+          break;
+        case kPop:
+          if (phantom && chunk_[e.id] >= 0) Detach(e.id);
+          PopPiece(e.id);
+          break;
+        case kScratch:
+          Scratch(e.id);
+          break;
+      }
+    }
+    // What the iteration carries to the next one, or out of the loop, is
+    // counted once, by the simulation's own run of the body.
+    for (const auto& [b, chunk] : chunks) Free(chunk);
+  }
+
+  // The list `b` a gradient loop pops: its elements now go one by one (PopPiece).
+  void Detach(int b) {
+    std::vector<int64_t>& draining = draining_[b];
+    draining.push_back(chunk_[b]);
+    if (auto it = pieces_.find(chunk_[b]); it != pieces_.end()) {
+      draining.insert(draining.end(), it->second.begin(), it->second.end());
+      pieces_.erase(it);
+    }
+    chunk_[b] = -2;
+  }
+
+  // An element of the list `b` of a loop that has not run yet.
+  void AddPhantomPiece(int b) {
+    if (!Mine(b)) return;
+    const BufferInfo& buffer = table_.buffers[b];
+    std::vector<int64_t>& elements = phantom_[b];
+    if (static_cast<int64_t>(elements.size()) >= buffer.pieces) return;
+    const int64_t piece = buffer.bytes / buffer.pieces;
+    const int64_t chunk = allocator_->Allocate(piece);
+    if (chunk < 0) {
+      Refused(piece, table_.TensorName(buffer.owner));
+      return;
+    }
+    owner_[chunk] = b;
+    Measure();
+    elements.push_back(chunk);
+  }
+
+  // The events of `script` that decide where the lists' elements go: every
+  // element pushed or popped, and the temporaries live while an element is
+  // allocated (they are the holes between elements). A temporary allocated and
+  // freed between two pushes comes and goes without moving anything.
+  static std::vector<ScriptEvent> LayoutEvents(const std::vector<ScriptEvent>& script) {
+    const int size = static_cast<int>(script.size());
+    std::vector<int> pieces_before(size + 1, 0);
+    for (int i = 0; i < size; ++i) {
+      pieces_before[i + 1] = pieces_before[i] + (script[i].kind == kPiece ? 1 : 0);
+    }
+    // Follow each temporary through in-place reuse to the free that ends it.
+    std::vector<int> root(size, -1);
+    std::vector<int> end(size, size);  // per allocation: where its memory is freed
+    std::map<int, int> open;           // buffer -> its allocation's index
+    for (int i = 0; i < size; ++i) {
+      const ScriptEvent& e = script[i];
+      if (e.kind == kAlloc) {
+        open[e.id] = i;
+        root[i] = i;
+      } else if (e.kind == kReuse || e.kind == kFree) {
+        auto it = open.find(e.id);
+        if (it == open.end()) continue;
+        root[i] = it->second;
+        open.erase(it);
+        if (e.kind == kReuse) {
+          open[e.other] = root[i];
+        } else {
+          end[root[i]] = i;
+        }
+      }
+    }
+    std::vector<ScriptEvent> layout;
+    for (int i = 0; i < size; ++i) {
+      const ScriptEvent& e = script[i];
+      if (e.kind == kPiece || e.kind == kPop) {
+        layout.push_back(e);
+      } else if (root[i] >= 0 && pieces_before[end[root[i]]] > pieces_before[root[i]]) {
+        layout.push_back(e);
+      }
+    }
+    return layout;
+  }
+
+  // One more element of the list `b` a loop fills, while it has room.
+  // Whether it added one.
+  bool AddPiece(int b) {
+    if (chunk_[b] < 0) return false;
+    auto it = pieces_.find(chunk_[b]);
+    if (it == pieces_.end()) return false;
+    const BufferInfo& buffer = table_.buffers[b];
+    if (static_cast<int64_t>(it->second.size()) + 1 >= buffer.pieces) return false;
+    const int64_t piece = buffer.bytes / buffer.pieces;
+    const int64_t chunk = allocator_->Allocate(piece);
+    if (chunk < 0) {
+      Refused(piece, table_.TensorName(buffer.owner));
+      return false;
+    }
+    owner_[chunk] = b;
+    Measure();
+    it->second.push_back(chunk);
+    return true;
+  }
+
+  // Whether a loop's iterations are short enough to play: a simulation replays
+  // the step some 28 times (allocator histories x steps), for every plan tried.
+  static constexpr int64_t kMaxReplayedEvents = int64_t{1} << 20;
+  bool WithinReplayBound(int loop, const std::vector<ScriptEvent>& events) const {
+    return table_.loops.loops[loop].trip_count * static_cast<int64_t>(events.size()) <=
+           kMaxReplayedEvents;
+  }
+  // The last element of the list `b` a gradient loop pops is gone.
+  void PopPiece(int b) {
+    auto it = draining_.find(b);
+    if (it == draining_.end() || it->second.empty()) return;
+    allocator_->Free(it->second.back());
+    owner_.erase(it->second.back());
+    it->second.pop_back();
+  }
+  // A kernel's scratch memory, allocated and freed while it runs.
+  void Scratch(int n) {
+    const int64_t chunk = allocator_->Allocate(table_.nodes[n].temp_bytes);
+    if (chunk < 0) {
+      Refused(table_.nodes[n].temp_bytes, absl::StrCat("scratch of ", table_.nodes[n].def->name()));
+    }
+    Measure();
+    allocator_->Free(chunk);
+  }
+
   const TensorTable& table_;
   const std::vector<int>& order_;
   const std::vector<int>& device_of_node_;
   const std::vector<int>& device_of_buffer_;
   const int device_;
   BfcAllocatorModel* allocator_;
+  bool iterated_ = false;  // some loop's iterations are played (above)
+  bool ending_ = false;    // EndStep's frees: no step runs
+  const LoopScripts* shared_;  // the loops' events, for loops played beside another
+  LoopScripts* record_;        // records the loops' events instead of playing them
+  std::vector<int> filled_by_loop_, drained_by_loop_, first_step_of_loop_, last_step_of_loop_;
+  std::vector<bool> done_;  // per loop: its iterations were played beside another's
+  std::vector<std::vector<ScriptEvent>> scripts_;  // per loop: its body's events this step
+  std::map<int, std::vector<int64_t>> draining_;   // popped list -> its elements left
+  std::map<int, std::vector<int64_t>> phantom_;    // list -> elements made before it is
   std::vector<int64_t> chunk_;
   std::vector<std::vector<int64_t>> old_copies_;
   absl::flat_hash_map<int64_t, std::vector<int64_t>> pieces_;  // first piece -> the others
@@ -893,10 +1308,22 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
   for (int d = 0; d < num_devices && d < static_cast<int>(options.bfc_memory_limit.size()); ++d) {
     if (options.bfc_memory_limit[d] <= 0) continue;
     DeviceTimeline& device = result->devices[d];
+    // The loops' body events, from one run of the order (an allocator without limit).
+    LoopScripts loops;
+    if (!table.loops.loops.empty()) {
+      loops.events.assign(table.loops.loops.size(), {});
+      loops.concurrent = IndependentLoops(table);
+      BfcAllocatorModel unlimited(std::numeric_limits<int64_t>::max() / 4);
+      AllocatorListener recorder(table, order, device_of_node, device_of_buffer, d, &unlimited,
+                                 nullptr, &loops);
+      replay.Run(order.size(), &recorder);
+      recorder.EndStep();
+    }
     bool first = true;
     for (ResidentHistory history : options.allocator_histories) {
       BfcAllocatorModel allocator(options.bfc_memory_limit[d]);
-      AllocatorListener listener(table, order, device_of_node, device_of_buffer, d, &allocator);
+      AllocatorListener listener(table, order, device_of_node, device_of_buffer, d, &allocator,
+                                 table.loops.loops.empty() ? nullptr : &loops);
       listener.AllocateResident(history);
       std::vector<int64_t> step_peaks;
       int64_t peak = 0;
