@@ -605,6 +605,8 @@ class AllocatorListener : public Listener {
     step_bytes_ = 0;
   }
   void set_log(bool log) { log_ = log; }
+  // Whether some loop's iterations are played (FindIteratedLoops).
+  bool plays_iterations() const { return iterated_; }
   // Whether the allocator's peak is being looked for (the measured steps).
   void set_measuring(bool measuring) { measuring_ = measuring; }
   // The first allocation the model refused (0 bytes if none).
@@ -671,26 +673,25 @@ class AllocatorListener : public Listener {
   int64_t Allocate(int b, bool first_piece_only = false) {
     const BufferInfo& buffer = table_.buffers[b];
     const int64_t piece = buffer.pieces > 1 ? buffer.bytes / buffer.pieces : 0;
-    const int64_t first = allocator_->Allocate(piece > 0 ? piece : buffer.bytes);
-    if (first < 0) {
-      Refused(piece > 0 ? piece : buffer.bytes, table_.TensorName(buffer.owner));
-      return first;
-    }
-    owner_[first] = b;
-    Measure();
-    if (piece <= 0) return first;
+    const int64_t first = AllocateChunk(b, piece > 0 ? piece : buffer.bytes);
+    if (first < 0 || piece <= 0) return first;
     std::vector<int64_t>& rest = pieces_[first];
     if (first_piece_only) return first;  // the loop's later iterations add the rest
-    for (int64_t i = 1; i < buffer.pieces; ++i) {
-      rest.push_back(allocator_->Allocate(piece));
-      if (rest.back() < 0) {
-        Refused(piece, table_.TensorName(buffer.owner));
-      } else {
-        owner_[rest.back()] = b;
-        Measure();
-      }
-    }
+    for (int64_t i = 1; i < buffer.pieces; ++i) rest.push_back(AllocateChunk(b, piece));
     return first;
+  }
+  // One chunk of `bytes` for buffer `b` (its id, or -1 when BFC would refuse it).
+  // `iteration`: the loop iteration being played, named in a refusal.
+  int64_t AllocateChunk(int b, int64_t bytes, int64_t iteration = -1) {
+    const int64_t chunk = allocator_->Allocate(bytes);
+    if (chunk < 0) {
+      const std::string name = table_.TensorName(table_.buffers[b].owner);
+      Refused(bytes, iteration < 0 ? name : absl::StrCat(name, " (iteration ", iteration, ")"));
+      return chunk;
+    }
+    owner_[chunk] = b;
+    Measure();
+    return chunk;
   }
   void Free(int64_t chunk) {
     if (chunk < 0) return;
@@ -796,14 +797,13 @@ class AllocatorListener : public Listener {
   // the loops `beside` (whose own run is then skipped).
   void ReplayIterations(int loop, std::vector<int> beside) {
     struct Player {
-      int loop;
       std::vector<ScriptEvent> full, layout;
       int64_t first, trips;
       bool phantom;
     };
     std::vector<Player> players;
-    players.push_back({loop, std::move(scripts_[loop]), {}, 1,
-                       table_.loops.loops[loop].trip_count, false});
+    players.push_back({std::move(scripts_[loop]), {}, 1, table_.loops.loops[loop].trip_count,
+                       false});
     scripts_[loop].clear();
     if (!WithinReplayBound(loop, players.front().full)) {
       // Too long a loop to play: its lists fill at once, as one run of the body.
@@ -813,14 +813,14 @@ class AllocatorListener : public Listener {
           }
         }
       }
+      players.front().trips = 1;
       beside.clear();
     }
     for (int m : beside) {
-      players.push_back({m, shared_->events[m], {}, 0, table_.loops.loops[m].trip_count, true});
+      players.push_back({shared_->events[m], {}, 0, table_.loops.loops[m].trip_count, true});
       done_[m] = true;
     }
     int64_t trips = 0;
-    if (!WithinReplayBound(loop, players.front().full)) players.front().trips = 1;
     for (Player& player : players) {
       // Every iteration but the last plays only what shapes the lists' layout;
       // the last plays everything, for the loop's peak with its lists full.
@@ -852,16 +852,8 @@ class AllocatorListener : public Listener {
     for (const ScriptEvent& e : events) {
       switch (e.kind) {
         case kAlloc: {
-          const int64_t chunk = allocator_->Allocate(table_.buffers[e.id].bytes);
-          if (chunk < 0) {
-            Refused(table_.buffers[e.id].bytes,
-                    absl::StrCat(table_.TensorName(table_.buffers[e.id].owner), " (iteration ",
-                                 k, ")"));
-            break;
-          }
-          owner_[chunk] = e.id;
-          Measure();
-          chunks[e.id] = chunk;
+          const int64_t chunk = AllocateChunk(e.id, table_.buffers[e.id].bytes, k);
+          if (chunk >= 0) chunks[e.id] = chunk;
           break;
         }
         case kFree:
@@ -914,15 +906,8 @@ class AllocatorListener : public Listener {
     const BufferInfo& buffer = table_.buffers[b];
     std::vector<int64_t>& elements = phantom_[b];
     if (static_cast<int64_t>(elements.size()) >= buffer.pieces) return;
-    const int64_t piece = buffer.bytes / buffer.pieces;
-    const int64_t chunk = allocator_->Allocate(piece);
-    if (chunk < 0) {
-      Refused(piece, table_.TensorName(buffer.owner));
-      return;
-    }
-    owner_[chunk] = b;
-    Measure();
-    elements.push_back(chunk);
+    const int64_t chunk = AllocateChunk(b, buffer.bytes / buffer.pieces);
+    if (chunk >= 0) elements.push_back(chunk);
   }
 
   // The events of `script` that decide where the lists' elements go: every
@@ -976,14 +961,8 @@ class AllocatorListener : public Listener {
     if (it == pieces_.end()) return false;
     const BufferInfo& buffer = table_.buffers[b];
     if (static_cast<int64_t>(it->second.size()) + 1 >= buffer.pieces) return false;
-    const int64_t piece = buffer.bytes / buffer.pieces;
-    const int64_t chunk = allocator_->Allocate(piece);
-    if (chunk < 0) {
-      Refused(piece, table_.TensorName(buffer.owner));
-      return false;
-    }
-    owner_[chunk] = b;
-    Measure();
+    const int64_t chunk = AllocateChunk(b, buffer.bytes / buffer.pieces);
+    if (chunk < 0) return false;
     it->second.push_back(chunk);
     return true;
   }
@@ -1309,21 +1288,30 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     if (options.bfc_memory_limit[d] <= 0) continue;
     DeviceTimeline& device = result->devices[d];
     // The loops' body events, from one run of the order (an allocator without limit).
+    // Only needed where a loop is played beside another.
     LoopScripts loops;
+    bool beside = false;
     if (!table.loops.loops.empty()) {
       loops.events.assign(table.loops.loops.size(), {});
-      loops.concurrent = IndependentLoops(table);
       BfcAllocatorModel unlimited(std::numeric_limits<int64_t>::max() / 4);
       AllocatorListener recorder(table, order, device_of_node, device_of_buffer, d, &unlimited,
                                  nullptr, &loops);
-      replay.Run(order.size(), &recorder);
-      recorder.EndStep();
+      if (recorder.plays_iterations()) {
+        loops.concurrent = IndependentLoops(table);
+        for (const std::vector<bool>& row : loops.concurrent) {
+          beside = beside || std::find(row.begin(), row.end(), true) != row.end();
+        }
+      }
+      if (beside) {
+        replay.Run(order.size(), &recorder);
+        recorder.EndStep();
+      }
     }
     bool first = true;
     for (ResidentHistory history : options.allocator_histories) {
       BfcAllocatorModel allocator(options.bfc_memory_limit[d]);
       AllocatorListener listener(table, order, device_of_node, device_of_buffer, d, &allocator,
-                                 table.loops.loops.empty() ? nullptr : &loops);
+                                 beside ? &loops : nullptr);
       listener.AllocateResident(history);
       std::vector<int64_t> step_peaks;
       int64_t peak = 0;
