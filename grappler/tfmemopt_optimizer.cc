@@ -414,10 +414,17 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   });
   if (!status.ok()) return status;
   report->num_tensors = static_cast<int>(table.tensors.size());
-  report->unresolved_tensors = static_cast<int>(table.unresolved_tensors.size());
+  report->unresolved_tensors = 0;
+  report->unresolved_variants = 0;
   for (int t : table.unresolved_tensors) {
-    if (report->unresolved_examples.size() >= 5) break;
-    report->unresolved_examples.push_back(table.TensorName(t));
+    if (table.tensors[t].dtype == tensorflow::DT_VARIANT) {
+      ++report->unresolved_variants;
+      continue;
+    }
+    ++report->unresolved_tensors;
+    if (report->unresolved_examples.size() < 5) {
+      report->unresolved_examples.push_back(table.TensorName(t));
+    }
   }
   report->batch_dims_resolved = table.batch_dims_resolved;
   if (VLOG_IS_ON(1)) {

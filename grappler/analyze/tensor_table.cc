@@ -168,6 +168,13 @@ struct ShapeBytes {
   int64_t resolved_dims = 0;
 };
 
+// Ops whose integer outputs describe shapes (one number per dimension at most).
+bool IsShapeMetadataOp(const std::string& op) {
+  return op == "Shape" || op == "ShapeN" || op == "Rank" || op == "Size" ||
+         op == "TensorListElementShape" || op == "TensorListLength" ||
+         op == "BroadcastGradientArgs" || op == "BroadcastArgs";
+}
+
 ShapeBytes SizeOf(const OpInfo::TensorProperties& props,
                   const std::set<int64_t>& batch_symbols, int64_t batch_size) {
   ShapeBytes out;
@@ -633,6 +640,14 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
     const auto& outputs = properties.GetOutputProperties(node.name());
     for (int port = 0; port < static_cast<int>(outputs.size()); ++port) {
       ShapeBytes size = SizeOf(outputs[port], batch_symbols, options.assume_batch_size);
+      // A shape vector is as long as a rank: a few bytes, whether or not shape
+      // inference knows that rank. Counting it as unknown would only ask the user
+      // for an assume_batch_size that changes nothing (and leave unsized the lists a
+      // loop fills with such vectors for its gradient).
+      if (!size.known && IsShapeMetadataOp(node.op()) &&
+          tensorflow::DataTypeIsInteger(outputs[port].dtype())) {
+        size.known = true;
+      }
       TensorInfo tensor;
       tensor.node = i;
       tensor.port = port;

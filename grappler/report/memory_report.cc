@@ -144,6 +144,7 @@ std::string MemoryReport::ToJson() const {
       << ",\"num_nodes\":" << num_nodes << ",\"never_run_nodes\":" << never_run_nodes
       << ",\"num_tensors\":" << num_tensors
       << ",\"unresolved_tensors\":" << unresolved_tensors
+      << ",\"unresolved_variants\":" << unresolved_variants
       << ",\"unresolved_examples\":[";
   for (size_t i = 0; i < unresolved_examples.size(); ++i) {
     out << (i ? "," : "") << Quote(unresolved_examples[i]);
@@ -366,6 +367,10 @@ std::string MemoryReport::Summary() const {
                     " tensors have unknown dimensions (counted as 1",
                     options.assume_batch_size > 0 ? "; not the inputs' batch, which is set)"
                                                   : "; set assume_batch_size)");
+  }
+  if (unresolved_variants > 0) {
+    absl::StrAppend(&line, "; ", unresolved_variants,
+                    " lists or optionals of unknown contents (counted as empty)");
   }
   if (options.mode == Mode::kAnalyzeOnly) absl::StrAppend(&line, " [analyze only]");
   return line;

@@ -226,7 +226,11 @@ struct MemoryReport {
   // Nodes no fetch needs (the executor prunes them): not planned, returned as they are.
   int never_run_nodes = 0;
   int num_tensors = 0;
+  // Tensors of unknown size: dense ones with unknown dimensions (counted as 1
+  // each), and variants (TensorLists, optionals) whose contents shape inference
+  // does not give (counted as empty); assume_batch_size can help only the first.
   int unresolved_tensors = 0;
+  int unresolved_variants = 0;
   std::vector<std::string> unresolved_examples;  // a few names, for the user
   int64_t batch_dims_resolved = 0;
   bool graph_changed = false;

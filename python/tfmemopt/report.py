@@ -86,7 +86,9 @@ class Report:
     """What the pass found (and did) for one graph.
 
     Attributes: graph_id, status ('ok' or 'fallback'), failed_stage, message, mode,
-    num_nodes, num_tensors, unresolved_tensors, devices (list of device names),
+    num_nodes, num_tensors, unresolved_tensors (dense tensors with unknown dimensions,
+    counted as 1 each), unresolved_variants (TensorLists and optionals whose contents
+    shape inference does not give, counted as empty), devices (list of device names),
     budget_bytes ({device: bytes}, 0 = unknown; the step's share: what is left of the
     budget once held_outside_bytes, memory the device held outside this graph when it
     was planned, is taken), persistent_bytes ({device: bytes}),
@@ -145,6 +147,7 @@ class Report:
         self.never_run_nodes = data.get("never_run_nodes", 0)
         self.num_tensors = data["num_tensors"]
         self.unresolved_tensors = data["unresolved_tensors"]
+        self.unresolved_variants = data.get("unresolved_variants", 0)
         self.graph_changed = data["graph_changed"]
         self.min_tensor_bytes = data.get("min_tensor_bytes", -1)
         devices = data["devices"]
@@ -274,6 +277,12 @@ class Report:
                     "inference does not give")
         return "set assume_batch_size to resolve the batch dimension"
 
+    def _variants_note(self):
+        """Variants of unknown size: nothing the user sets changes them."""
+        return (f"{self.unresolved_variants} lists or optionals of unknown contents, counted "
+                "as empty (such as a gradient loop's sums of TensorLists or an iterator's "
+                "optional); assume_batch_size does not change them")
+
     def to_text(self):
         lines = [f"TfMemOpt report for graph {self.graph_id} ({self.mode})"]
         if self.status != "ok":
@@ -324,6 +333,8 @@ class Report:
                 f"  {self.unresolved_tensors} tensors have unknown dimensions, counted as 1"
                 f" (e.g. {examples}); {self._unresolved_hint()}"
             )
+        if self.unresolved_variants:
+            lines.append(f"  {self._variants_note()}")
         if self._data.get("min_tensor_bytes_adaptive") and 0 <= self.min_tensor_bytes < 2**20:
             lines.append(
                 f"  tensors down to {format_bytes(self.min_tensor_bytes)} were considered: "
@@ -643,6 +654,8 @@ class Report:
                 f"<p>{self.unresolved_tensors} tensors have unknown dimensions, counted as 1 "
                 f"(e.g. {esc(', '.join(self._data.get('unresolved_examples', [])))}); "
                 f"{esc(self._unresolved_hint())}</p>")
+        if self.unresolved_variants:
+            parts.append(f"<p>{esc(self._variants_note())}</p>")
         parts.append(
             "<table><thead><tr><th>device</th><th>predicted peak</th><th>before the plan"
             "</th><th>budget</th><th>persistent</th><th>fits</th></tr></thead><tbody>")
