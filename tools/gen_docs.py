@@ -360,7 +360,33 @@ def loop_pacing(record):
                   "step time of pacing"], rows)
 
 
+def bilstm_fit(record):
+    """benchmarks/bilstm_fit.py: per batch and mode, what the plan said and how many
+    processes trained."""
+    r = record["result"]
+    rows = {}
+    for t in r.get("results", []):
+        row = rows.setdefault((t["batch"], t["mode"]), {"said": set(), "trained": 0, "n": 0,
+                                                        "bitwise": set(), "peak": 0})
+        row["n"] += 1
+        row["trained"] += t["outcome"] == "trained"
+        row["peak"] = max(row["peak"], t.get("peak_bytes") or 0)
+        if "fits" in t:
+            row["said"].add(f"{'fits' if t['fits'] else 'does not fit'} "
+                            f"({mib(t.get('predicted_bytes'))})")
+        if "bitwise_equal_uncapped" in t:
+            row["bitwise"].add("yes" if t["bitwise_equal_uncapped"] else "NO")
+    out = []
+    for (batch, mode), row in sorted(rows.items()):
+        out.append([str(batch), mode, ", ".join(sorted(row["said"])) or "—",
+                    f"{row['trained']} of {row['n']}", mib(row["peak"]),
+                    ", ".join(sorted(row["bitwise"])) or "—"])
+    return table(["batch", "mode", "the last plan said", "trained", "highest peak",
+                  "losses equal uncapped"], out)
+
+
 RENDERERS = {
+    ("bilstm_fit", None): bilstm_fit,
     ("loop_pacing", None): loop_pacing,
     ("plan_time", None): plan_time,
     ("v1_graphs", None): v1_graphs,
