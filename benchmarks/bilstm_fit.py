@@ -62,9 +62,9 @@ except tf.errors.ResourceExhaustedError:
     out["outcome"] = "out of memory"
 out["peak_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
 if mode in ("enable", "callback"):
-    steps = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_multi_step")]
-    if steps:
-        report = steps[-1]
+    step_reports = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_multi_step")]
+    if step_reports:
+        report = step_reports[-1]
         device = [d for d in report.to_dict()["devices"] if d["device"].endswith("CPU:0")][0]
         out.update(fits=report.fits, predicted_bytes=device["peak_after_bytes"],
                    budget_bytes=device["budget_bytes"])

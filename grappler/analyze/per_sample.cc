@@ -232,10 +232,6 @@ class Classifier {
 
 }  // namespace
 
-bool ReadsShapeOnly(const std::string& op) {
-  return op == "Shape" || op == "ShapeN" || op == "Size" || op == "Rank";
-}
-
 absl::Status AnalyzeBatch(const tensorflow::grappler::GrapplerItem& item,
                           const TensorTable& table, const ControlFlowInfo& flow,
                           BatchAnalysis* analysis) {

@@ -64,9 +64,6 @@ absl::Status AnalyzeBatch(const tensorflow::grappler::GrapplerItem& item,
                           const TensorTable& table, const ControlFlowInfo& flow,
                           BatchAnalysis* analysis);
 
-// True for ops that only read their input's shape (Shape, ShapeN, Size, Rank).
-bool ReadsShapeOnly(const std::string& op);
-
 }  // namespace tfmemopt
 
 #endif  // TFMEMOPT_GRAPPLER_ANALYZE_PER_SAMPLE_H_

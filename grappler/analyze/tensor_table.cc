@@ -170,8 +170,7 @@ struct ShapeBytes {
 
 // Ops whose integer outputs describe shapes (one number per dimension at most).
 bool IsShapeMetadataOp(const std::string& op) {
-  return op == "Shape" || op == "ShapeN" || op == "Rank" || op == "Size" ||
-         op == "TensorListElementShape" || op == "TensorListLength" ||
+  return ReadsShapeOnly(op) || op == "TensorListElementShape" || op == "TensorListLength" ||
          op == "BroadcastGradientArgs" || op == "BroadcastArgs";
 }
 
@@ -487,6 +486,10 @@ std::string ShortDeviceName(const std::string& device) {
     return device;
   }
   return absl::StrCat(parsed.type, ":", parsed.id);
+}
+
+bool ReadsShapeOnly(const std::string& op) {
+  return op == "Shape" || op == "ShapeN" || op == "Size" || op == "Rank";
 }
 
 std::string TensorTable::TensorName(int tensor) const {

@@ -174,6 +174,9 @@ int ForwardedInput(const tensorflow::NodeDef& node, int port);
 // Short device name ("/job:localhost/replica:0/task:0/device:CPU:0" -> "CPU:0").
 std::string ShortDeviceName(const std::string& device);
 
+// True for ops that only read their input's shape (Shape, ShapeN, Size, Rank).
+bool ReadsShapeOnly(const std::string& op);
+
 absl::Status BuildTensorTable(const tensorflow::grappler::GrapplerItem& item,
                               const MemoryOptimizerOptions& options,
                               TensorTable* table);
