@@ -64,6 +64,23 @@ elif CASE == "meta_optimizer_off":
     step(tf.ones([8, 8]))
     print("REASON", list(tfmemopt.explain().not_seen.values()))
     print("REPORTS", len(tfmemopt.reports()))
+elif CASE == "functions_run_eagerly":
+    tf.config.run_functions_eagerly(True)
+    @tf.function
+    def step(x):
+        return tf.reduce_sum(tf.tanh(x) * 2.0 + 1.0)
+    @tf.function
+    def other(x):
+        return tf.reduce_sum(tf.tanh(x) * 3.0 + 1.0)
+    for _ in range(3):
+        step(tf.ones([8, 8])), other(tf.ones([8, 8]))
+    print("REASON", tfmemopt.explain().not_seen.get("step"))
+    print("EAGER", tfmemopt.explain().grappler["functions_run_eagerly"])
+    print("REPORTS", len(tfmemopt.reports()))
+    tf.config.run_functions_eagerly(False)
+    step(tf.ones([8, 8]))
+    print("AFTER", len([r for r in tfmemopt.reports()
+                        if r.graph_id.startswith("__inference_step")]))
 elif CASE == "interactive_session":
     tf.compat.v1.disable_eager_execution()
     tf.compat.v1.InteractiveSession(config=tfmemopt.config_proto("1GiB")).close()
@@ -93,6 +110,16 @@ def test_grappler_switched_off_is_told():
     assert "Grappler is disabled (disable_meta_optimizer is set)" in err, err[-2000:]
     assert "REASON ['Grappler is disabled (disable_meta_optimizer)']" in out
     assert "REPORTS 0" in out
+
+
+def test_functions_run_eagerly_is_told_once_and_the_pass_acts_once_it_is_off():
+    err, out = _stderr_and_stdout("functions_run_eagerly")
+    assert err.count("runs eagerly because tf.config.run_functions_eagerly(True)") == 1, \
+        err[-2000:]
+    assert ("REASON runs eagerly (tf.config.run_functions_eagerly(True)), so no graph "
+            "is built") in out, out
+    assert "EAGER True" in out and "REPORTS 0" in out, out
+    assert "AFTER 1" in out, out
 
 
 def test_interactive_session_is_told_once():

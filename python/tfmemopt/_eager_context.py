@@ -143,15 +143,19 @@ def current_rewrite_options():
 # Grappler (and so the pass) never sees a graph that XLA compiles (jit_compile=True),
 # a graph below the meta-optimizer's min_graph_nodes, any graph when the
 # meta-optimizer is disabled, or a Session's graph under place_pruned_graph=True
-# (tf.compat.v1.InteractiveSession sets it). tfmemopt.explain (explanation.py) tells the
-# user; these hooks are how it finds out.
+# (tf.compat.v1.InteractiveSession sets it); and no graph is built at all for a
+# tf.function that runs eagerly (tf.config.run_functions_eagerly(True)).
+# tfmemopt.explain (explanation.py) tells the user; these hooks are how it finds out.
 
 from tensorflow.python.client import session as _session  # noqa: E402
 from tensorflow.python.eager.polymorphic_function import atomic_function as _atomic  # noqa: E402
+from tensorflow.python.eager.polymorphic_function import polymorphic_function as _polymorphic  # noqa: E402
 
 _call_observer = None     # observer(atomic_function), on eager calls of graph functions
 _session_observer = None  # observer(config_proto or None), when a Session is created
+_eager_run_observer = None  # observer(tf.function), when a tf.function runs eagerly
 _original_call_flat = _atomic.AtomicFunction.call_flat
+_original_run_eagerly = _polymorphic.Function._run_functions_eagerly  # a property
 _original_session_init = _session.BaseSession.__init__
 
 
@@ -162,6 +166,17 @@ def _call_flat(self, *args):
     return _original_call_flat(self, *args)
 
 
+def _functions_run_eagerly(self):
+    # Function.__call__ reads this property first and, when it is True, runs the Python
+    # function itself: no graph function is called, so call_flat's observer never hears
+    # of it. Observing the read (not wrapping __call__) adds no frame to tracebacks.
+    run_eagerly = _original_run_eagerly.fget(self)
+    observer = _eager_run_observer
+    if run_eagerly and observer is not None:
+        observer(self)
+    return run_eagerly
+
+
 def _session_init(self, target="", graph=None, config=None):
     observer = _session_observer
     if observer is not None:
@@ -170,13 +185,15 @@ def _session_init(self, target="", graph=None, config=None):
 
 
 _atomic.AtomicFunction.call_flat = _call_flat
+_polymorphic.Function._run_functions_eagerly = property(_functions_run_eagerly)
 _session.BaseSession.__init__ = _session_init
 
 
-def set_observers(call_observer, session_observer):
+def set_observers(call_observer, session_observer, eager_run_observer=None):
     """Installs the observers (None removes one)."""
-    global _call_observer, _session_observer
+    global _call_observer, _session_observer, _eager_run_observer
     _call_observer, _session_observer = call_observer, session_observer
+    _eager_run_observer = eager_run_observer
 
 
 def function_definition(function):

@@ -12,7 +12,11 @@ places are found here and told to the user once, as they happen:
   tf.config.optimizer.set_experimental_options): a WARNING, once;
 * a Session whose config sets `graph_options.place_pruned_graph` (which
   tf.compat.v1.InteractiveSession forces): TF skips Grappler for it ("Can't optimize a
-  pruned graph"); a WARNING when such a Session is created with the pass in its config.
+  pruned graph"); a WARNING when such a Session is created with the pass in its config;
+* a tf.function that runs eagerly (`tf.config.run_functions_eagerly(True)`, often left
+  on after debugging): no graph is built, so there is nothing to optimize (a WARNING,
+  once). Keras' `compile(run_eagerly=True)` builds no tf.function either; the Keras
+  callback tells that one (tfmemopt.keras).
 
 `tfmemopt.explain()` sums it up for the calling thread: whether the pass is on and
 with which config, what Grappler is set to do, the graphs the pass optimized and the
@@ -102,6 +106,27 @@ def _on_function_call(function):
                    "tfmemopt.explain() lists them.", name, reason)
 
 
+EAGER_REASON = ("runs eagerly (tf.config.run_functions_eagerly(True)), so no graph is "
+                "built")
+
+
+def _on_eager_run(function):
+    name = getattr(function, "_name", None) or repr(function)
+    with _lock:
+        if name in _skipped:
+            return
+    if not _pass_in(_eager_context.current_rewrite_options()):
+        return
+    with _lock:
+        _skipped[name] = EAGER_REASON
+    _tell_once("eager", "warning",
+               "tfmemopt: tf.function %s runs eagerly because "
+               "tf.config.run_functions_eagerly(True) is set; no graph is built, so "
+               "tfmemopt does not act on it (nor on any tf.function while it is set). "
+               "Call tf.config.run_functions_eagerly(False) to let tfmemopt plan its "
+               "memory.", name)
+
+
 def _on_session(config):
     if config is None or not isinstance(config, config_pb2.ConfigProto):
         return
@@ -114,7 +139,7 @@ def _on_session(config):
 
 
 def install():
-    _eager_context.set_observers(_on_function_call, _on_session)
+    _eager_context.set_observers(_on_function_call, _on_session, _on_eager_run)
 
 
 def warn_if_pruned(config):
@@ -132,9 +157,11 @@ class Explanation:
     enabled: tfmemopt.enable() is in force. in_this_thread: the calling thread's graph
     functions are built with the pass in their config. config: the fields set (name ->
     value). grappler: what the thread's config asks of Grappler (meta_optimizer on or
-    off, min_graph_nodes, memory_optimization, TF's global XLA JIT). graphs: one dict per
+    off, min_graph_nodes, memory_optimization, TF's global XLA JIT, and
+    functions_run_eagerly: tf.config.run_functions_eagerly). graphs: one dict per
     graph the pass optimized in this process (graph_id, status, num_nodes, fits,
-    graph_changed). not_seen: graph function name -> why Grappler never ran the pass on it.
+    graph_changed). not_seen: graph function name (a tf.function's Python name when it ran
+    eagerly) -> why Grappler never ran the pass on it.
     """
 
     enabled: bool
@@ -154,7 +181,9 @@ class Explanation:
         g = self.grappler
         lines.append(f"  Grappler: {'off (disable_meta_optimizer)' if not g['meta_optimizer'] else 'on'}"
                      f", min_graph_nodes {g['min_graph_nodes']}, memory_optimization "
-                     f"{g['memory_optimization']}, XLA auto-jit {'on' if g['xla_jit'] else 'off'}")
+                     f"{g['memory_optimization']}, XLA auto-jit {'on' if g['xla_jit'] else 'off'}"
+                     + (", tf.functions run eagerly (no graphs)"
+                        if g.get("functions_run_eagerly") else ""))
         lines.append(f"  graphs optimized: {len(self.graphs)}")
         for r in self.graphs[-10:]:
             fits = {True: "fits", False: "over budget", None: "no budget"}[r["fits"]]
@@ -186,7 +215,8 @@ def explain():
     grappler = {"meta_optimizer": not rewrite.disable_meta_optimizer,
                 "min_graph_nodes": _min_graph_nodes(rewrite),
                 "memory_optimization": memory,
-                "xla_jit": bool(tf.config.optimizer.get_jit())}
+                "xla_jit": bool(tf.config.optimizer.get_jit()),
+                "functions_run_eagerly": bool(tf.config.functions_run_eagerly())}
     graphs = [{"graph_id": r.graph_id, "status": r.status, "num_nodes": r.num_nodes,
                "fits": r.fits, "graph_changed": r.graph_changed} for r in tfmemopt.reports()]
     with _lock:
