@@ -53,6 +53,10 @@ bool IsUntimed(const tensorflow::NodeDef& def) {
   return tensorflow::grappler::IsConstant(def);
 }
 
+bool IsReturnValue(const tensorflow::NodeDef& def) {
+  return tensorflow::grappler::IsRetval(def) || def.op() == "_DeviceRetval";
+}
+
 bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n) {
   const tensorflow::NodeDef& def = *table.nodes[n].def;
   if (flow.Under(n) || tensorflow::grappler::IsControlFlow(def) || IsLoopSwapNode(def)) {
@@ -65,8 +69,11 @@ bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n) {
 
 bool MayBeWaitedFor(const TensorTable& table, const ControlFlowInfo& flow, int n) {
   const tensorflow::NodeDef& def = *table.nodes[n].def;
+  // A function's return values are no nodes of its body once TF makes the function:
+  // it rejects an edge out of one ("The source of control edge ... is not in the
+  // body").
   return !flow.Under(n) && !tensorflow::grappler::IsControlFlow(def) && !IsLoopSwapNode(def) &&
-         !IsUntimed(def);
+         !IsUntimed(def) && !IsReturnValue(def);
 }
 
 absl::Status PinOrder(TensorTable* table, const ControlFlowInfo& flow,

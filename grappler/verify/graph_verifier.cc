@@ -4,6 +4,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "tensorflow/core/grappler/op_types.h"
 #include "tensorflow/core/grappler/utils.h"
 #include "tensorflow/core/grappler/utils/topological_sort.h"
 
@@ -17,11 +18,26 @@ absl::Status VerifyOptimizedGraph(const tensorflow::grappler::GrapplerItem& item
       return absl::InternalError(absl::StrCat("duplicate node name ", node.name()));
     }
   }
+  // A function's return values leave its body when TF makes the function, so no
+  // node may read or wait for one (TF: "The source of control edge ... is not in the
+  // body").
+  absl::flat_hash_set<std::string> return_values;
+  for (const auto& node : optimized.node()) {
+    if (tensorflow::grappler::IsRetval(node) || node.op() == "_DeviceRetval") {
+      return_values.insert(node.name());
+    }
+  }
   for (const auto& node : optimized.node()) {
     for (const std::string& input : node.input()) {
-      if (!names.contains(tensorflow::grappler::NodeName(input))) {
+      const std::string source = tensorflow::grappler::NodeName(input);
+      if (!names.contains(source)) {
         return absl::InternalError(
             absl::StrCat("node ", node.name(), " reads missing input ", input));
+      }
+      if (return_values.contains(source)) {
+        return absl::InternalError(absl::StrCat("node ", node.name(),
+                                                " reads or waits for the return value ",
+                                                source));
       }
     }
   }

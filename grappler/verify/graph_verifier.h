@@ -9,7 +9,8 @@
 
 namespace tfmemopt {
 
-// Checks that node names are unique, every input names an existing node, the graph
+// Checks that node names are unique, every input names an existing node and none a
+// function's return value (_Retval, _DeviceRetval), the graph
 // is acyclic (NextIteration back edges aside), and every fetch and every node that
 // must be preserved (item.NodesToPreserve()) is still present.
 absl::Status VerifyOptimizedGraph(const tensorflow::grappler::GrapplerItem& item,
