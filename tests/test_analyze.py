@@ -63,6 +63,46 @@ def test_keras_model_train_step():
     assert report.predicted_peak_bytes["after"]["CPU:0"] >= 3 * weights + 64 * 512 * 4
 
 
+def test_keras_model_with_several_inputs_and_outputs_takes_them_as_fit_does():
+    tf.keras.utils.set_random_seed(0)
+    tokens = tf.keras.Input((16,), dtype="int32", name="tokens")
+    extra = tf.keras.Input((8,), name="extra")
+    h = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(100, 32)(tokens))
+    h = tf.keras.layers.Dense(256, activation="relu")(tf.keras.layers.Concatenate()([h, extra]))
+    model = tf.keras.Model({"tokens": tokens, "extra": extra},
+                           [tf.keras.layers.Dense(5, name="cls")(h),
+                            tf.keras.layers.Dense(1, name="reg")(h)])
+    model.compile(optimizer="adam",
+                  loss=[tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"])
+    x = {"tokens": np.zeros((64, 16), np.int32), "extra": np.zeros((64, 8), np.float32)}
+    y = [np.zeros((64,), np.int64), np.zeros((64, 1), np.float32)]  # of two dtypes
+    report = tfmemopt.analyze(model, x=x, y=y, log_level=0)
+    assert report.status == "ok" and report.unresolved_tensors == 0
+    # The hidden layer's activations (64 x 256 floats) are live at some step.
+    assert report.predicted_peak_bytes["after"]["CPU:0"] >= (
+        report.persistent_bytes["CPU:0"] + 64 * 256 * 4)
+
+
+def test_keras_model_whose_loss_is_its_own_needs_no_y():
+    tf.keras.utils.set_random_seed(0)
+
+    class Autoencoder(tf.keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.encode = tf.keras.layers.Dense(64, activation="relu")
+            self.decode = tf.keras.layers.Dense(32)
+
+        def call(self, x):
+            out = self.decode(self.encode(x))
+            self.add_loss(tf.reduce_mean(tf.square(out - x)))
+            return out
+
+    model = Autoencoder()
+    model.compile(optimizer="sgd")
+    report = tfmemopt.analyze(model, x=np.zeros((128, 32), np.float32), log_level=0)
+    assert report.status == "ok" and report.num_nodes > 10
+
+
 def test_bad_arguments():
     step, x, y = seed_cnn_train_step(8)
     with pytest.raises(TypeError, match="fn=.*allowed: a tf.function"):

@@ -146,17 +146,28 @@ def analyze(fn, *args, budget=None, x=None, y=None, **fields):
 
 
 def _keras_train_step(model, x, y):
-    """The concrete train step that Model.fit runs for one batch (x, y)."""
+    """The concrete train step that Model.fit runs for one batch (x, y). x and y may be
+    arrays or, for models with several inputs or outputs, lists or dicts of them, as
+    fit takes them; y None for a model whose losses are its own (add_loss)."""
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
         raise ValueError("tfmemopt.analyze: compile() the Keras model first (its "
                          "optimizer and loss define the train step)")
+    x = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
     if not model.built:
-        model(tf.convert_to_tensor(x)[:1])
+        model(tf.nest.map_structure(lambda t: t[:1], x))
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
+
+    if y is None:
+        @tf.function
+        def train_step(x):
+            return model.train_step((x,))
+
+        return train_step.get_concrete_function(x)
 
     @tf.function
     def train_step(x, y):
         return model.train_step((x, y))
 
-    return train_step.get_concrete_function(tf.convert_to_tensor(x), tf.convert_to_tensor(y))
+    return train_step.get_concrete_function(x, y)
