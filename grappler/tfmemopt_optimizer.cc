@@ -134,10 +134,17 @@ void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
       return;
     }
   }
-  // Unplaced graphs (e.g. Session graphs before placement) run on the cluster's
-  // only device when there is just one.
+  // Unplaced graphs (e.g. Session graphs before placement, or a metagraph handed to
+  // tfmemopt.analyze_metagraph) run on the cluster's only device when there is just
+  // one; a CPU's is the host's RAM, not the cluster's nominal size.
   if (device->device.empty() && cluster->GetDevices().size() == 1) {
-    device->memory_bytes = cluster->GetDevices().begin()->second.memory_size();
+    const tensorflow::DeviceProperties& only = cluster->GetDevices().begin()->second;
+    if (only.type() == "CPU") {
+      device->memory_bytes = HostRamBytes();
+      device->memory_source = "host_ram";
+      return;
+    }
+    device->memory_bytes = only.memory_size();
     device->memory_source = "cluster";
   }
 }

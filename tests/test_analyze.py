@@ -117,3 +117,20 @@ def test_bad_arguments():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="x="):
         tfmemopt.analyze(model)
+
+
+def test_an_unplaced_metagraph_gets_the_hosts_memory_not_grapplers_nominal_cpu():
+    # Grappler's cluster gives its CPU a nominal 256 MiB; an unplaced graph runs on the
+    # host's CPU, so the default budget (0.9) is of the host's RAM.
+    from conftest import build_v1_mlp_train_op
+
+    graph = tf.Graph()
+    with graph.as_default():
+        build_v1_mlp_train_op()
+        metagraph = tf.compat.v1.train.export_meta_graph(graph=graph)
+    assert not any(node.device for node in metagraph.graph_def.node)
+    report = tfmemopt.analyze_metagraph(metagraph, log_level=0)
+    (device,) = report.to_dict()["devices"]
+    assert device["memory_source"] == "host_ram", device
+    assert device["memory_bytes"] > 2**30
+    assert report.budget_bytes[device["device"]] == int(0.9 * device["memory_bytes"])
