@@ -152,8 +152,8 @@ def test_a_sum_that_does_not_cancel_added_slice_by_slice_passes_too():
     assert gg.first_difference(base, split, _one_step(np.float64, False)) == ""
 
 
-# A model TF does not train bit for bit the same way twice (about one run in four
-# differs in the last bits of step 1's grads[3], with or without the pass, which
+# A model TF does not train bit for bit the same way twice (step 1's grads[3] takes one
+# of two values, the second in about one run in three, with or without the pass, which
 # changes nothing here). The case passes: its runs are compared with TF's own.
 TF_NOT_REPEATABLE = {
     "seed": 16777215, "batch": 26, "kind": "dense", "input_shape": [109],
