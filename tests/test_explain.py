@@ -17,6 +17,10 @@ def test_explain_follows_enable_and_disable_in_the_calling_thread():
     explanation = tfmemopt.explain()
     assert explanation.enabled and explanation.in_this_thread
     assert explanation.config == {"budget_bytes": 2**30, "log_level": 0}
+    tfmemopt.enable(0.6, log_level=0)  # a float32 in the config, shown as given
+    assert tfmemopt.explain().config["budget_fraction"] == 0.6
+    assert "budget_fraction=0.6," in str(tfmemopt.explain())
+    tfmemopt.enable("1GiB", log_level=0)
     assert explanation.grappler["meta_optimizer"] is True
     assert explanation.grappler["min_graph_nodes"] == 4
     (graph,) = [g for g in explanation.graphs if g["graph_id"].startswith("__inference_train_step")]

@@ -210,7 +210,10 @@ def explain():
         for key, value in sorted(entry[0].parameter_map.items()):
             kind = value.WhichOneof("value")
             config[key] = (list(value.list.s) if kind == "list"
-                           else value.s.decode() if kind == "s" else getattr(value, kind))
+                           else value.s.decode() if kind == "s"
+                           # AttrValue holds a float32: 0.6 reads back 0.6000000238...
+                           else float(f"{value.f:.7g}") if kind == "f"
+                           else getattr(value, kind))
     memory = rewrite.MemOptType.Name(rewrite.memory_optimization)
     grappler = {"meta_optimizer": not rewrite.disable_meta_optimizer,
                 "min_graph_nodes": _min_graph_nodes(rewrite),
