@@ -21,6 +21,7 @@ import json
 import pytest
 import tensorflow as tf
 
+import tfmemopt
 from conftest import run_python
 from tfmemopt import feedback
 
@@ -464,3 +465,34 @@ def test_a_calibration_follows_the_device_most_over_its_own_budget():
     # GPU:0 is 10 over its 50, GPU:1 5 over its 100: GPU:0's error sets the budget,
     # max(50 - 15, 50 * 45 / 60) = 37, which is below GPU:1's too.
     assert replan == {"budget_bytes": 37, "retrace": False}
+
+
+class _Model(tf.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.w = tf.Variable(tf.ones([16, 16]) * scale)
+
+    @tfmemopt.function(input_signature=[tf.TensorSpec([None, 16])])
+    def step(self, x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(x @ self.w) ** 2)
+        self.w.assign_sub(0.01 * tape.gradient(loss, self.w))
+        return loss
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 16])])
+    def plain_step(self, x):
+        return self.step.python_function(x)
+
+
+def test_a_method_binds_as_with_tf_function_input_signature_and_all():
+    # `self` stays out of input_signature, each instance has its own state, and the
+    # method gives what the same method as a tf.function gives.
+    tfmemopt.enable("1GiB", log_level=0)
+    a, b = _Model(0.1), _Model(0.2)
+    assert a.step is a.step and a.step is not b.step
+    x8, x4 = tf.ones([8, 16]), tf.ones([4, 16])
+    losses = [float(a.step(x8)), float(a.step(x4)), float(b.step(x8))]
+    ref_a, ref_b = _Model(0.1), _Model(0.2)
+    ref = [float(ref_a.plain_step(x8)), float(ref_a.plain_step(x4)), float(ref_b.plain_step(x8))]
+    assert losses == ref
+    assert a.step.get_concrete_function().structured_input_signature[0][0].shape.as_list() == [None, 16]

@@ -25,6 +25,7 @@ pass with the config of tfmemopt.enable(); in addition:
 """
 
 import functools
+import weakref
 
 import tensorflow as tf
 
@@ -52,8 +53,14 @@ class Function:
             raise ValueError(
                 f"tfmemopt.function: guard_steps={guard_steps!r}; allowed: an int >= 1")
         self._tf_function_kwargs = tf_function_kwargs
+        self._python_function = python_function
         self._function = tf.function(python_function, **tf_function_kwargs)
         functools.update_wrapper(self, python_function)
+        # As a method: the instance it is bound to (a weak reference, as tf.function
+        # keeps it) and the class; and, on the unbound wrapper, one bound wrapper per
+        # instance, each with its own retry state (as tf.function traces per instance).
+        self._instance = self._owner = None
+        self._bound = weakref.WeakKeyDictionary()
         self.retries = retries
         self.guard_steps = guard_steps
         self.budget_bytes = None  # this function's own budget, after a retry
@@ -71,10 +78,30 @@ class Function:
         return self._function.get_concrete_function(*args, **kwargs)
 
     def __get__(self, instance, owner):
-        # As a method: bind like tf.function does, keeping the retry state per wrapper.
-        if instance is None:
+        # As a method: bind through tf.function's own descriptor, which leaves `self`
+        # out of input_signature and holds the instance weakly.
+        if instance is None or self._instance is not None:
             return self
-        return functools.partial(self.__call__, instance)
+        try:
+            bound = self._bound.get(instance)
+        except TypeError:  # an unhashable instance: bind afresh on every access
+            bound = None
+        if bound is None:
+            bound = Function(self._python_function, retries=self.retries,
+                             guard_steps=self.guard_steps, **self._tf_function_kwargs)
+            bound._instance, bound._owner = weakref.ref(instance), owner
+            bound._function = bound._new_tf_function()
+            try:
+                self._bound[instance] = bound
+            except TypeError:
+                pass
+        return bound
+
+    def _new_tf_function(self):
+        function = tf.function(self._python_function, **self._tf_function_kwargs)
+        if self._instance is not None:
+            function = function.__get__(self._instance(), self._owner)
+        return function
 
     def __call__(self, *args, **kwargs):
         config = tfmemopt.enabled_config()
@@ -128,8 +155,7 @@ class Function:
                         self.budget_bytes = replan["budget_bytes"]
                         self._calls_since_plan = 0
                         if replan["retrace"]:
-                            self._function = tf.function(self._function.python_function,
-                                                         **self._tf_function_kwargs)
+                            self._function = self._new_tf_function()
             return result
 
     # --- helpers ---
