@@ -17,6 +17,7 @@ split changes the order of weight-gradient sums.
 """
 
 import json
+import re
 
 import pytest
 import tensorflow as tf
@@ -38,6 +39,17 @@ sys.path.insert(0, sys.argv[1])
 from conftest import chain_mlp
 mode = sys.argv[2]
 step, x, ws = chain_mlp(depth=24)
+if mode == "plain_step":
+    # enable() alone, a plain tf.function: nothing retries the step.
+    hog = tf.fill([int(sys.argv[4]) << 18], 1.0)
+    tfmemopt.enable(budget=int(sys.argv[3]), enable_split=False, log_level=0)
+    try:
+        for _ in range(2):
+            step(x)
+        print("RESULT " + json.dumps({"out_of_memory": False}))
+    except tf.errors.ResourceExhaustedError:
+        print("RESULT " + json.dumps({"out_of_memory": True}))
+    sys.exit(0)
 if mode in ("retry", "counted"):
     hog = tf.fill([int(sys.argv[4]) << 18], 1.0)  # HOG_MB MiB held for the whole run
     # "counted": the same budget, as the fraction of the capped device it is, which
@@ -78,6 +90,7 @@ def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run():
                                       RETRIES, env=_capped(CAP_MB)))
     assert retried["retries"], "the first plan did not run out of memory"
     assert log.count("retrying the step (retry") == len(retried["retries"])
+    assert "although tfmemopt planned it" not in log  # the wrapper says what it does
     budgets = [r["new_budget_bytes"] for r in retried["retries"]]
     assert budgets == sorted(budgets, reverse=True)  # each retry plans lower
     assert retried["budget"]["CPU:0"] == budgets[-1]  # the plan that trained
@@ -85,6 +98,20 @@ def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run():
     assert retried["weights"] == plain["weights"]
     # Measured: the first steps of the plan that trained, under the cap.
     assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
+
+
+def test_a_planned_step_that_runs_out_of_memory_without_a_wrapper_says_what_helps():
+    result, log = _result(run_python(_CUSTOM_LOOP, TESTS, "plain_step", FIRST_BUDGET, HOG_MB,
+                                     env=_capped(CAP_MB)))
+    assert result["out_of_memory"]
+    lines = [l for l in log.splitlines() if "although tfmemopt planned it" in l]
+    assert len(lines) == 1, log[-3000:]  # once, though the error passes several frames
+    line = lines[0]
+    assert "ran out of memory on CPU:0 (could not allocate" in line
+    assert "its plan fits the budget" in line and "budget 32.4 MiB" in line
+    assert "tfmemopt.keras.MemoryOptimizer (for fit) and tfmemopt.function" in line
+    suggested = int(re.search(r"budget=(\d+)", line).group(1))
+    assert 0 < suggested < FIRST_BUDGET
 
 
 _PARTIAL_UPDATE = r'''

@@ -148,12 +148,15 @@ def current_rewrite_options():
 # tfmemopt.explain (explanation.py) tells the user; these hooks are how it finds out.
 
 from tensorflow.python.client import session as _session  # noqa: E402
+from tensorflow.python.framework import errors as _errors  # noqa: E402
 from tensorflow.python.eager.polymorphic_function import atomic_function as _atomic  # noqa: E402
 from tensorflow.python.eager.polymorphic_function import polymorphic_function as _polymorphic  # noqa: E402
 
 _call_observer = None     # observer(atomic_function), on eager calls of graph functions
 _session_observer = None  # observer(config_proto or None), when a Session is created
 _eager_run_observer = None  # observer(tf.function), when a tf.function runs eagerly
+_oom_observer = None  # observer(atomic_function, error), when a call runs out of memory
+_retrying = threading.local()  # depth of retrying_calls in this thread
 _original_call_flat = _atomic.AtomicFunction.call_flat
 _original_run_eagerly = _polymorphic.Function._run_functions_eagerly  # a property
 _original_session_init = _session.BaseSession.__init__
@@ -163,7 +166,26 @@ def _call_flat(self, *args):
     observer = _call_observer
     if observer is not None and self._bound_context.executing_eagerly():
         observer(self)
-    return _original_call_flat(self, *args)
+    try:
+        return _original_call_flat(self, *args)
+    except _errors.ResourceExhaustedError as error:
+        oom_observer = _oom_observer
+        if oom_observer is not None and not getattr(_retrying, "depth", 0):
+            oom_observer(self, error)
+        raise
+
+
+class retrying_calls:
+    """Inside: calls of graph functions whose out-of-memory errors a wrapper handles
+    itself (tfmemopt.function, the Keras callback), so the observer is not told."""
+
+    def __enter__(self):
+        _retrying.depth = getattr(_retrying, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        _retrying.depth -= 1
+        return False
 
 
 def _functions_run_eagerly(self):
@@ -189,11 +211,12 @@ _polymorphic.Function._run_functions_eagerly = property(_functions_run_eagerly)
 _session.BaseSession.__init__ = _session_init
 
 
-def set_observers(call_observer, session_observer, eager_run_observer=None):
+def set_observers(call_observer, session_observer, eager_run_observer=None,
+                  oom_observer=None):
     """Installs the observers (None removes one)."""
-    global _call_observer, _session_observer, _eager_run_observer
+    global _call_observer, _session_observer, _eager_run_observer, _oom_observer
     _call_observer, _session_observer = call_observer, session_observer
-    _eager_run_observer = eager_run_observer
+    _eager_run_observer, _oom_observer = eager_run_observer, oom_observer
 
 
 def function_definition(function):

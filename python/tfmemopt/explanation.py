@@ -18,6 +18,12 @@ places are found here and told to the user once, as they happen:
   once). Keras' `compile(run_eagerly=True)` builds no tf.function either; the Keras
   callback tells that one (tfmemopt.keras).
 
+And where the pass did act but its plan ran out of memory in a plain tf.function or
+Keras `fit` under enable() (no wrapper that retries): a WARNING, once per graph,
+saying what was planned, that the device had less free than the step needed, and what
+re-plans and retries it (tfmemopt.function, tfmemopt.keras.MemoryOptimizer) or which
+lower budget to enable.
+
 `tfmemopt.explain()` sums it up for the calling thread: whether the pass is on and
 with which config, what Grappler is set to do, the graphs the pass optimized and the
 graph functions it never saw, with the reason.
@@ -127,6 +133,37 @@ def _on_eager_run(function):
                "memory.", name)
 
 
+def _on_out_of_memory(function, error):
+    import tfmemopt
+    from tfmemopt import feedback
+
+    name, _ = _eager_context.function_definition(function)
+    if not _pass_in(_eager_context.current_rewrite_options()):
+        return
+    reports = [r for r in tfmemopt.reports() if r.graph_id == name]
+    if not reports or reports[-1].status != "ok":
+        return  # not planned by the pass (or it fell back): nothing to say about a plan
+    report = reports[-1]
+    record = feedback.next_budget(report, error, {})
+    mib = lambda b: f"{b / 2**20:.1f} MiB" if b else "unknown"  # noqa: E731
+    planned = (f"its plan fits the budget (predicted peak {mib(record['predicted_peak_bytes'])}, "
+               f"budget {mib(record['budget_bytes'])}), but the device had less free than the "
+               f"step needed (the memory model under-predicted it, or memory held outside "
+               f"the step left less than the budget)"
+               if report.fits else
+               f"its plan could not meet the budget (smallest peak reachable "
+               f"{mib(record['predicted_peak_bytes'])}, budget {mib(record['budget_bytes'])})")
+    lower = (f"; or enable a lower budget, e.g. budget={record['new_budget_bytes']}"
+             if report.fits and record["new_budget_bytes"] else "; or lower the batch size")
+    _tell_once(("oom", name), "warning",
+               "tfmemopt: graph %s ran out of memory on %s (%s) although tfmemopt planned "
+               "it: %s. tfmemopt.keras.MemoryOptimizer (for fit) and tfmemopt.function (for "
+               "a custom step) re-plan and retry such a step by themselves%s.",
+               name, record["device"],
+               f"could not allocate {mib(record['missing_bytes'])}"
+               if record["missing_bytes"] else "allocation size not given", planned, lower)
+
+
 def _on_session(config):
     if config is None or not isinstance(config, config_pb2.ConfigProto):
         return
@@ -139,7 +176,8 @@ def _on_session(config):
 
 
 def install():
-    _eager_context.set_observers(_on_function_call, _on_session, _on_eager_run)
+    _eager_context.set_observers(_on_function_call, _on_session, _on_eager_run,
+                                 _on_out_of_memory)
 
 
 def warn_if_pruned(config):

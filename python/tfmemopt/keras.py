@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 import tfmemopt
-from tfmemopt import feedback
+from tfmemopt import _eager_context, feedback
 from tfmemopt.config import _is_repeated
 
 # The train step's graph: Keras's own (the iterator read in the graph), or, when the
@@ -193,9 +193,10 @@ class MemoryOptimizer(keras.callbacks.Callback):
 
         def train_function(iterator):
             try:
-                if self.retries == 0:
-                    return self._step(iterator)
-                return self._guarded_step(iterator)
+                with _eager_context.retrying_calls():  # its own log lines, not the hint
+                    if self.retries == 0:
+                        return self._step(iterator)
+                    return self._guarded_step(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise  # the end of an epoch
             except BaseException:

@@ -123,7 +123,7 @@ class Function:
                 in_use_before = feedback.read_in_use(devices)
                 reports_before = feedback.report_count()
             try:
-                with self._own_budget(config):
+                with self._own_budget(config), _eager_context.retrying_calls():
                     result = self._function(*args, **kwargs)
             except tf.errors.ResourceExhaustedError as error:
                 report = self._report(args, kwargs)
