@@ -12,7 +12,7 @@ once without tfmemopt and without a cap, and the losses of every trial that trai
 are compared with it bit for bit.
 
 Usage: python benchmarks/bilstm_fit.py --batches 85 96 --modes enable callback
-           [--processes 2] [--cap-mb 256] [--uncapped] [--json]
+           [--processes 2] [--cap-mb 256] [--budget B] [--uncapped] [--json]
 """
 import argparse
 import json
@@ -25,9 +25,10 @@ MIB = 2.0**20
 CHILD = r'''
 import json, sys
 mode, batch, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+budget = json.loads(sys.argv[4])  # None: the default (0.9 of the device)
 import tfmemopt
 if mode == "enable":
-    tfmemopt.enable(log_level=0)
+    tfmemopt.enable(budget, log_level=0)
 import numpy as np
 import tensorflow as tf
 import keras
@@ -51,7 +52,7 @@ model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=False,
 callbacks = []
 if mode == "callback":
     import tfmemopt.keras
-    callbacks = [tfmemopt.keras.MemoryOptimizer()]
+    callbacks = [tfmemopt.keras.MemoryOptimizer(budget)]
 out = {"mode": mode, "batch": batch}
 try:
     history = model.fit(xs, ys, batch_size=batch, epochs=epochs,
@@ -72,10 +73,21 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def trial(mode, batch, epochs, cap_mb):
+def _budget(text):
+    """--budget as enable() takes it: an int of bytes, a fraction, or a size string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def trial(mode, batch, epochs, cap_mb, budget=None):
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
                TF_CPU_BFC_MEM_LIMIT_IN_MB=str(cap_mb), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(batch), str(epochs)],
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(batch), str(epochs),
+                           json.dumps(budget)],
                           capture_output=True, text=True, env=env, timeout=1800)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if not lines:
@@ -94,6 +106,9 @@ def main():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--uncapped", action="store_true",
                         help="compare the losses with an uncapped run without tfmemopt")
+    parser.add_argument("--budget", type=_budget, default=None,
+                        help="tfmemopt's budget as for enable(): bytes, a size like 190MiB, "
+                             "or a fraction like 0.8 (default: 0.9 of the device)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -102,7 +117,7 @@ def main():
         reference = (trial("plain", batch, args.epochs, 1 << 16) if args.uncapped else None)
         for mode in args.modes:
             for _ in range(args.processes):
-                result = trial(mode, batch, args.epochs, args.cap_mb)
+                result = trial(mode, batch, args.epochs, args.cap_mb, args.budget)
                 if reference is not None and result.get("outcome") == "trained":
                     result["bitwise_equal_uncapped"] = (
                         result["losses"] == reference.get("losses"))
@@ -117,7 +132,7 @@ def main():
                       flush=True)
     claims = [r for r in results if r.get("fits")]
     summary = {
-        "cap_mb": args.cap_mb, "trials": len(results),
+        "cap_mb": args.cap_mb, "budget": args.budget, "trials": len(results),
         "claims": len(claims),
         "fits_but_oom": sum(r["outcome"] == "out of memory" for r in claims),
         "trained": {mode: sum(r["mode"] == mode and r["outcome"] == "trained" for r in results)
