@@ -39,10 +39,12 @@ sys.path.insert(0, sys.argv[1])
 from conftest import chain_mlp
 mode = sys.argv[2]
 step, x, ws = chain_mlp(depth=24)
-if mode == "plain_step":
+if mode in ("plain_step", "plain_step_unknown_batch"):
     # enable() alone, a plain tf.function: nothing retries the step.
     hog = tf.fill([int(sys.argv[4]) << 18], 1.0)
     tfmemopt.enable(budget=int(sys.argv[3]), enable_split=False, log_level=0)
+    if mode == "plain_step_unknown_batch":
+        step = tf.function(step.python_function, input_signature=[tf.TensorSpec([None, 256])])
     try:
         for _ in range(2):
             step(x)
@@ -112,6 +114,18 @@ def test_a_planned_step_that_runs_out_of_memory_without_a_wrapper_says_what_help
     assert "tfmemopt.keras.MemoryOptimizer (for fit) and tfmemopt.function" in line
     suggested = int(re.search(r"budget=(\d+)", line).group(1))
     assert 0 < suggested < FIRST_BUDGET
+
+
+def test_a_step_planned_on_unknown_sizes_that_runs_out_of_memory_asks_for_the_batch_size():
+    # Traced with an unknown batch, the plan counts each activation as one element:
+    # a lower budget would mean nothing, the batch size does.
+    result, log = _result(run_python(_CUSTOM_LOOP, TESTS, "plain_step_unknown_batch",
+                                     FIRST_BUDGET, HOG_MB, env=_capped(CAP_MB)))
+    assert result["out_of_memory"]
+    (line,) = [l for l in log.splitlines() if "although tfmemopt planned it" in l]
+    assert "of its tensors had unknown dimensions, counted as 1" in line
+    assert "enable(assume_batch_size=<the batch size>)" in line
+    assert "budget=" not in line.split("re-plan and retry")[1]
 
 
 _PARTIAL_UPDATE = r'''

@@ -153,8 +153,17 @@ def _on_out_of_memory(function, error):
                if report.fits else
                f"its plan could not meet the budget (smallest peak reachable "
                f"{mib(record['predicted_peak_bytes'])}, budget {mib(record['budget_bytes'])})")
-    lower = (f"; or enable a lower budget, e.g. budget={record['new_budget_bytes']}"
-             if report.fits and record["new_budget_bytes"] else "; or lower the batch size")
+    if report.unresolved_tensors:
+        # Sizes counted as 1 make any budget figure meaningless: say what resolves them.
+        planned += (f"; {report.unresolved_tensors} of its tensors had unknown dimensions, "
+                    f"counted as 1, so the plan under-counts the step")
+        lower = ("; or enable(assume_batch_size=<the batch size>), which resolves the "
+                 "batch dimension (the Keras callback sets it from fit's batch size)"
+                 if not report.to_dict().get("assume_batch_size") else "")
+    elif report.fits and record["new_budget_bytes"]:
+        lower = f"; or enable a lower budget, e.g. budget={record['new_budget_bytes']}"
+    else:
+        lower = "; or lower the batch size"
     _tell_once(("oom", name), "warning",
                "tfmemopt: graph %s ran out of memory on %s (%s) although tfmemopt planned "
                "it: %s. tfmemopt.keras.MemoryOptimizer (for fit) and tfmemopt.function (for "
