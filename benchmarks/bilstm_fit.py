@@ -12,7 +12,8 @@ once without tfmemopt and without a cap, and the losses of every trial that trai
 are compared with it bit for bit.
 
 Usage: python benchmarks/bilstm_fit.py --batches 85 96 --modes enable callback
-           [--processes 2] [--cap-mb 256] [--budget B] [--uncapped] [--json]
+           [--processes 2] [--cap-mb 256] [--budget B] [--samples N]
+           [--assume-batch-size N] [--uncapped] [--json]
 """
 import argparse
 import json
@@ -26,9 +27,11 @@ CHILD = r'''
 import json, sys
 mode, batch, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 budget = json.loads(sys.argv[4])  # None: the default (0.9 of the device)
+samples, assume_batch_size = int(sys.argv[5]) or batch, int(sys.argv[6])
+fields = {"assume_batch_size": assume_batch_size} if assume_batch_size else {}
 import tfmemopt
 if mode == "enable":
-    tfmemopt.enable(budget, log_level=0)
+    tfmemopt.enable(budget, log_level=0, **fields)
 import numpy as np
 import tensorflow as tf
 import keras
@@ -44,15 +47,15 @@ x = layers_.Bidirectional(layers_.LSTM(128, return_sequences=True))(x)
 x = layers_.Bidirectional(layers_.LSTM(64))(x)
 x = layers_.Dropout(0.2)(layers_.Dense(64, activation="relu")(x))
 model = keras.Model(inputs, layers_.Dense(5)(x))
-xs = rng.integers(0, vocab, size=(batch, steps)).astype("int32")
+xs = rng.integers(0, vocab, size=(samples, steps)).astype("int32")
 xs[:, -rng.integers(0, 50):] = 0  # padding
-ys = rng.integers(0, 5, size=(batch,)).astype("int32")
+ys = rng.integers(0, 5, size=(samples,)).astype("int32")
 model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=False,
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 callbacks = []
 if mode == "callback":
     import tfmemopt.keras
-    callbacks = [tfmemopt.keras.MemoryOptimizer(budget)]
+    callbacks = [tfmemopt.keras.MemoryOptimizer(budget, **fields)]
 out = {"mode": mode, "batch": batch}
 try:
     history = model.fit(xs, ys, batch_size=batch, epochs=epochs,
@@ -83,11 +86,11 @@ def _budget(text):
     return text
 
 
-def trial(mode, batch, epochs, cap_mb, budget=None):
+def trial(mode, batch, epochs, cap_mb, budget=None, samples=0, assume_batch_size=0):
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
                TF_CPU_BFC_MEM_LIMIT_IN_MB=str(cap_mb), TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(batch), str(epochs),
-                           json.dumps(budget)],
+                           json.dumps(budget), str(samples), str(assume_batch_size)],
                           capture_output=True, text=True, env=env, timeout=1800)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if not lines:
@@ -109,15 +112,23 @@ def main():
     parser.add_argument("--budget", type=_budget, default=None,
                         help="tfmemopt's budget as for enable(): bytes, a size like 190MiB, "
                              "or a fraction like 0.8 (default: 0.9 of the device)")
+    parser.add_argument("--samples", type=int, default=0,
+                        help="samples per epoch (default: one batch); more than a multiple "
+                             "of the batch ends each epoch in a partial batch, for which "
+                             "Keras traces its step with an unknown batch dimension")
+    parser.add_argument("--assume-batch-size", type=int, default=0,
+                        help="tfmemopt's assume_batch_size (the callback sets it itself)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     results = []
     for batch in args.batches:
-        reference = (trial("plain", batch, args.epochs, 1 << 16) if args.uncapped else None)
+        reference = (trial("plain", batch, args.epochs, 1 << 16, samples=args.samples)
+                     if args.uncapped else None)
         for mode in args.modes:
             for _ in range(args.processes):
-                result = trial(mode, batch, args.epochs, args.cap_mb, args.budget)
+                result = trial(mode, batch, args.epochs, args.cap_mb, args.budget,
+                               args.samples, args.assume_batch_size)
                 if reference is not None and result.get("outcome") == "trained":
                     result["bitwise_equal_uncapped"] = (
                         result["losses"] == reference.get("losses"))

@@ -434,6 +434,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     }
   }
   report->batch_dims_resolved = table.batch_dims_resolved;
+  report->batch_dims_assumed = table.batch_dims_assumed;
   if (VLOG_IS_ON(1)) {
     for (const BufferInfo& buffer : table.buffers) {
       if (!buffer.persistent || buffer.bytes == 0) continue;

@@ -165,7 +165,8 @@ bool IsPersistentProducer(const NodeDef& node) {
 struct ShapeBytes {
   int64_t bytes = 0;
   bool known = true;
-  int64_t resolved_dims = 0;
+  int64_t resolved_dims = 0;  // the inputs' batch, taken as batch_size
+  int64_t assumed_dims = 0;   // other unknown dimensions, taken as batch_size
 };
 
 // Ops whose integer outputs describe shapes (one number per dimension at most).
@@ -193,9 +194,18 @@ ShapeBytes SizeOf(const OpInfo::TensorProperties& props,
   } else {
     for (const auto& dim : props.shape().dim()) {
       int64_t size = dim.size();
-      if (size < 0 && batch_size > 0 && batch_symbols.count(size)) {
+      if (size < 0 && batch_size > 0) {
+        // The inputs' batch, or a dimension shape inference lost on the way (a loop's
+        // per-iteration tensors and lists, whose element shapes it does not carry
+        // through the loop; the rows boolean_mask keeps): in a training step those
+        // are the batch or at most it, so the batch size is the estimate that does
+        // not under-count them, where 1 would.
         size = batch_size;
-        ++out.resolved_dims;
+        if (batch_symbols.count(dim.size())) {
+          ++out.resolved_dims;
+        } else {
+          ++out.assumed_dims;
+        }
       }
       if (size < 0) {
         out.known = false;
@@ -658,6 +668,7 @@ absl::Status BuildFromProperties(const GrapplerItem& item,
       tensor.dtype = outputs[port].dtype();
       tensor.size_known = size.known;
       table->batch_dims_resolved += size.resolved_dims;
+      table->batch_dims_assumed += size.assumed_dims;
       info.outputs.push_back(static_cast<int>(table->tensors.size()));
       table->tensors.push_back(tensor);
     }

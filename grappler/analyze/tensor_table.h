@@ -146,7 +146,9 @@ struct TensorTable {
   std::vector<int> fetch_tensors;    // kept alive to the end of the step
   // Tensors with dimensions that stayed unknown; they count as 1 per unknown dim.
   std::vector<int> unresolved_tensors;
-  int64_t batch_dims_resolved = 0;  // dimensions filled from assume_batch_size
+  int64_t batch_dims_resolved = 0;  // the inputs' batch, filled from assume_batch_size
+  // Other dimensions shape inference left unknown, taken as assume_batch_size.
+  int64_t batch_dims_assumed = 0;
   // The while-loops and the TensorLists they fill (analyze/loops.h).
   LoopAnalysis loops;
   // Every variable of the graph is a VarHandleOp that a graph the pass saw before

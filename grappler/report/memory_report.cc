@@ -150,6 +150,7 @@ std::string MemoryReport::ToJson() const {
     out << (i ? "," : "") << Quote(unresolved_examples[i]);
   }
   out << "],\"batch_dims_resolved\":" << batch_dims_resolved
+      << ",\"batch_dims_assumed\":" << batch_dims_assumed
       << ",\"assume_batch_size\":" << options.assume_batch_size
       << ",\"graph_changed\":" << (graph_changed ? "true" : "false")
       << ",\"min_tensor_bytes\":" << min_tensor_bytes
@@ -365,8 +366,13 @@ std::string MemoryReport::Summary() const {
   if (unresolved_tensors > 0) {
     absl::StrAppend(&line, "; ", unresolved_tensors,
                     " tensors have unknown dimensions (counted as 1",
-                    options.assume_batch_size > 0 ? "; not the inputs' batch, which is set)"
+                    options.assume_batch_size > 0 ? "; of unknown rank)"
                                                   : "; set assume_batch_size)");
+  }
+  if (batch_dims_assumed > 0) {
+    absl::StrAppend(&line, "; ", batch_dims_assumed,
+                    " other unknown dimensions taken as assume_batch_size=",
+                    options.assume_batch_size);
   }
   if (unresolved_variants > 0) {
     absl::StrAppend(&line, "; ", unresolved_variants,

@@ -233,6 +233,9 @@ struct MemoryReport {
   int unresolved_variants = 0;
   std::vector<std::string> unresolved_examples;  // a few names, for the user
   int64_t batch_dims_resolved = 0;
+  // Dimensions shape inference left unknown that are not the inputs' batch, taken
+  // as assume_batch_size.
+  int64_t batch_dims_assumed = 0;
   bool graph_changed = false;
   // The min_tensor_bytes threshold of the applied plan (the adaptive default may
   // lower it when the budget needs smaller tensors); -1: nothing was planned.

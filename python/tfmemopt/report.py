@@ -273,8 +273,7 @@ class Report:
             # The batch is given: what is left is not the inputs' batch dimension (a
             # loop's plumbing, a shape only the running graph knows).
             return (f"assume_batch_size={self._data['assume_batch_size']} is set, so these "
-                    "are dimensions other than the inputs' batch, which TF's shape "
-                    "inference does not give")
+                    "are tensors of unknown rank, which TF's shape inference does not give")
         return "set assume_batch_size to resolve the batch dimension"
 
     def _variants_note(self):
@@ -333,6 +332,11 @@ class Report:
                 f"  {self.unresolved_tensors} tensors have unknown dimensions, counted as 1"
                 f" (e.g. {examples}); {self._unresolved_hint()}"
             )
+        if self._data.get("batch_dims_assumed"):
+            lines.append(
+                f"  {self._data['batch_dims_assumed']} dimensions that shape inference leaves "
+                f"unknown (not traced to the inputs' batch) are taken as "
+                f"assume_batch_size={self._data['assume_batch_size']}")
         if self.unresolved_variants:
             lines.append(f"  {self._variants_note()}")
         if self._data.get("min_tensor_bytes_adaptive") and 0 <= self.min_tensor_bytes < 2**20:
