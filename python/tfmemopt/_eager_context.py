@@ -171,7 +171,10 @@ def _call_flat(self, *args):
     except _errors.ResourceExhaustedError as error:
         oom_observer = _oom_observer
         if oom_observer is not None and not getattr(_retrying, "depth", 0):
-            oom_observer(self, error)
+            try:
+                oom_observer(self, error)
+            except Exception:  # noqa: BLE001 - telling the user must not hide TF's error
+                pass
         raise
 
 
