@@ -105,12 +105,25 @@ int64_t HeldOutsideBytes(const TensorTable& table, const std::string& device, in
   return std::max<int64_t>(0, in_use - own);
 }
 
+// The cluster's only device, for an unplaced graph (a Session graph before
+// placement, or a metagraph handed to tfmemopt.analyze_metagraph), which runs there;
+// nullptr when the cluster has none or several.
+const tensorflow::DeviceProperties* OnlyClusterDevice(const Cluster* cluster) {
+  if (cluster == nullptr || cluster->GetDevices().size() != 1) return nullptr;
+  return &cluster->GetDevices().begin()->second;
+}
+
 // Grappler's clusters describe a CPU with a nominal memory size (256 MiB in TF
 // 2.21's VirtualCluster), so CPU memory is the BFC cap of the test bed if one is
-// set, else the host's RAM.
+// set, else the host's RAM. An unplaced graph counts as the CPU's when the cluster's
+// only device is a CPU, or when there is no cluster to say.
 void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
   device->memory_source = "none";
-  if (absl::StartsWith(device->device, "CPU") || device->device.empty()) {
+  const tensorflow::DeviceProperties* only =
+      device->device.empty() ? OnlyClusterDevice(cluster) : nullptr;
+  const bool cpu = absl::StartsWith(device->device, "CPU") ||
+                   (device->device.empty() && (only == nullptr || only->type() == "CPU"));
+  if (cpu) {
     const int64_t bfc_limit = CpuBfcLimitBytes();
     if (bfc_limit > 0) {
       device->memory_bytes = std::min(bfc_limit, HostRamBytes());
@@ -118,13 +131,18 @@ void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
       device->allocator = "bfc";
       return;
     }
-    if (absl::StartsWith(device->device, "CPU")) {
+    if (!device->device.empty() || only != nullptr) {
       device->memory_bytes = HostRamBytes();
       device->memory_source = "host_ram";
       return;
     }
   }
   if (cluster == nullptr) return;
+  if (only != nullptr) {
+    device->memory_bytes = only->memory_size();
+    device->memory_source = "cluster";
+    return;
+  }
   for (const auto& [name, properties] : cluster->GetDevices()) {
     if (ShortDeviceName(name) == device->device && properties.memory_size() > 0) {
       device->memory_bytes = properties.memory_size();
@@ -133,19 +151,6 @@ void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
       if (absl::StartsWith(device->device, "GPU")) device->allocator = "bfc";
       return;
     }
-  }
-  // Unplaced graphs (e.g. Session graphs before placement, or a metagraph handed to
-  // tfmemopt.analyze_metagraph) run on the cluster's only device when there is just
-  // one; a CPU's is the host's RAM, not the cluster's nominal size.
-  if (device->device.empty() && cluster->GetDevices().size() == 1) {
-    const tensorflow::DeviceProperties& only = cluster->GetDevices().begin()->second;
-    if (only.type() == "CPU") {
-      device->memory_bytes = HostRamBytes();
-      device->memory_source = "host_ram";
-      return;
-    }
-    device->memory_bytes = only.memory_size();
-    device->memory_source = "cluster";
   }
 }
 

@@ -502,6 +502,10 @@ bool ReadsShapeOnly(const std::string& op) {
   return op == "Shape" || op == "ShapeN" || op == "Size" || op == "Rank";
 }
 
+bool IsReturnValue(const tensorflow::NodeDef& def) {
+  return tensorflow::grappler::IsRetval(def) || def.op() == "_DeviceRetval";
+}
+
 std::string TensorTable::TensorName(int tensor) const {
   const TensorInfo& t = tensors[tensor];
   const std::string& node = nodes[t.node].def->name();

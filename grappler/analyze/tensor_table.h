@@ -179,6 +179,10 @@ std::string ShortDeviceName(const std::string& device);
 // True for ops that only read their input's shape (Shape, ShapeN, Size, Rank).
 bool ReadsShapeOnly(const std::string& op);
 
+// A function's return value (_Retval, _DeviceRetval). TF takes these out of the
+// function's body, so no node may read one or wait for one.
+bool IsReturnValue(const tensorflow::NodeDef& def);
+
 absl::Status BuildTensorTable(const tensorflow::grappler::GrapplerItem& item,
                               const MemoryOptimizerOptions& options,
                               TensorTable* table);

@@ -53,10 +53,6 @@ bool IsUntimed(const tensorflow::NodeDef& def) {
   return tensorflow::grappler::IsConstant(def);
 }
 
-bool IsReturnValue(const tensorflow::NodeDef& def) {
-  return tensorflow::grappler::IsRetval(def) || def.op() == "_DeviceRetval";
-}
-
 bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n) {
   const tensorflow::NodeDef& def = *table.nodes[n].def;
   if (flow.Under(n) || tensorflow::grappler::IsControlFlow(def) || IsLoopSwapNode(def)) {

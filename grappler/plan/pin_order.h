@@ -46,14 +46,11 @@ namespace tfmemopt {
 // M -> (our node) -> C (stress split seed 167, its second meta-optimizer run).
 bool IsUntimed(const tensorflow::NodeDef& def);
 
-// A function's return value (_Retval, _DeviceRetval): no node may wait for one.
-bool IsReturnValue(const tensorflow::NodeDef& def);
-
 // Whether node `n` may be made to wait for another node by a control edge (not
 // under control flow, not an input of the graph, not untimed), and whether another
 // node may wait for `n` (not under control flow: a control edge cannot cross a
-// frame; not untimed; not a return value). The loop swap's copies, added inside loop frames, are under
-// control flow too.
+// frame; not untimed; not a return value, IsReturnValue). The loop swap's copies,
+// added inside loop frames, are under control flow too.
 bool MayWait(const TensorTable& table, const ControlFlowInfo& flow, int n);
 bool MayBeWaitedFor(const TensorTable& table, const ControlFlowInfo& flow, int n);
 

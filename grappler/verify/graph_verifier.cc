@@ -4,6 +4,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "grappler/analyze/tensor_table.h"
 #include "tensorflow/core/grappler/op_types.h"
 #include "tensorflow/core/grappler/utils.h"
 #include "tensorflow/core/grappler/utils/topological_sort.h"
@@ -23,7 +24,7 @@ absl::Status VerifyOptimizedGraph(const tensorflow::grappler::GrapplerItem& item
   // body").
   absl::flat_hash_set<std::string> return_values;
   for (const auto& node : optimized.node()) {
-    if (tensorflow::grappler::IsRetval(node) || node.op() == "_DeviceRetval") {
+    if (IsReturnValue(node)) {
       return_values.insert(node.name());
     }
   }

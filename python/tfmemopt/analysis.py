@@ -159,15 +159,10 @@ def _keras_train_step(model, x, y):
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
 
-    if y is None:
-        @tf.function
-        def train_step(x):
-            return model.train_step((x,))
-
-        return train_step.get_concrete_function(x)
+    data = (x,) if y is None else (x, y)
 
     @tf.function
-    def train_step(x, y):
-        return model.train_step((x, y))
+    def train_step(data):
+        return model.train_step(data)
 
-    return train_step.get_concrete_function(x, y)
+    return train_step.get_concrete_function(data)

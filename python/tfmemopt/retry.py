@@ -46,7 +46,8 @@ def _fields_of(config):
 class Function:
     """A tf.function that re-plans and retries a step that runs out of memory."""
 
-    def __init__(self, python_function, retries=3, guard_steps=2, **tf_function_kwargs):
+    def __init__(self, python_function, retries=3, guard_steps=2, *, _binding=None,
+                 **tf_function_kwargs):
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"tfmemopt.function: retries={retries!r}; allowed: an int >= 0")
         if not isinstance(guard_steps, int) or guard_steps < 1:
@@ -54,12 +55,13 @@ class Function:
                 f"tfmemopt.function: guard_steps={guard_steps!r}; allowed: an int >= 1")
         self._tf_function_kwargs = tf_function_kwargs
         self._python_function = python_function
-        self._function = tf.function(python_function, **tf_function_kwargs)
-        functools.update_wrapper(self, python_function)
         # As a method: the instance it is bound to (a weak reference, as tf.function
-        # keeps it) and the class; and, on the unbound wrapper, one bound wrapper per
-        # instance, each with its own retry state (as tf.function traces per instance).
-        self._instance = self._owner = None
+        # keeps it) and the class, given by __get__ as _binding; and, on the unbound
+        # wrapper, one bound wrapper per instance, each with its own retry state (as
+        # tf.function traces per instance).
+        self._instance, self._owner = _binding if _binding is not None else (None, None)
+        self._function = self._new_tf_function()
+        functools.update_wrapper(self, python_function)
         self._bound = weakref.WeakKeyDictionary()
         self.retries = retries
         self.guard_steps = guard_steps
@@ -88,9 +90,9 @@ class Function:
             bound = None
         if bound is None:
             bound = Function(self._python_function, retries=self.retries,
-                             guard_steps=self.guard_steps, **self._tf_function_kwargs)
-            bound._instance, bound._owner = weakref.ref(instance), owner
-            bound._function = bound._new_tf_function()
+                             guard_steps=self.guard_steps,
+                             _binding=(weakref.ref(instance), owner),
+                             **self._tf_function_kwargs)
             try:
                 self._bound[instance] = bound
             except TypeError:
