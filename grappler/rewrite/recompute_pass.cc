@@ -168,10 +168,14 @@ absl::Status RecomputeInPlace(TensorTable* table_ptr, const std::vector<int>& or
       // The backward node nearest before the reader: the clone runs right before
       // its reader. The reader is the clone's earliest, so no node before it
       // depends on the clone, and the edge closes no cycle. Without one (the reader
-      // is the first backward node), nobody reads the clone.
+      // is the first backward node), nobody reads the clone. A function's return
+      // value is no trigger: TF takes it out of the body (IsReturnValue).
       for (int s = position[earliest_node[r]] - 1; s >= 0 && trigger[r] < 0; --s) {
         const int candidate = order[s];
-        if (table.nodes[candidate].backward && !flow.Under(candidate)) trigger[r] = candidate;
+        if (table.nodes[candidate].backward && !flow.Under(candidate) &&
+            !IsReturnValue(*table.nodes[candidate].def)) {
+          trigger[r] = candidate;
+        }
       }
       if (trigger[r] < 0) earliest_node[r] = -1;
       continue;
