@@ -207,6 +207,7 @@ const std::vector<OptionField>& Fields() {
       BoolField("enable_recompute", &O::enable_recompute),
       BoolField("enable_schedule", &O::enable_schedule),
       BoolField("enable_split", &O::enable_split),
+      BoolField("split_batch_statistics", &O::split_batch_statistics),
       IntField<int64_t>("min_tensor_bytes", "int64", &O::min_tensor_bytes,
                         kAdaptiveMinTensorBytes, INT64_MAX,
                         "an int >= 0, or -1 (adaptive)"),

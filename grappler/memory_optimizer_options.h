@@ -34,6 +34,9 @@ struct MemoryOptimizerOptions {
   bool enable_schedule = true;
   // Split per-sample work along the batch when nothing else meets the budget.
   bool enable_split = true;
+  // Splitting may pass through the gradient of a mean over the batch (batch
+  // normalization's); see the proto field.
+  bool split_batch_statistics = false;
   // Below this size a tensor is never swapped or recomputed. kAdaptiveMinTensorBytes
   // (the default): 1 MiB while the budget can be met without smaller tensors, lower
   // steps (AdaptiveMinTensorBytesSteps) when it cannot.

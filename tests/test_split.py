@@ -219,6 +219,107 @@ def test_batch_norm_in_training_is_never_split():
     assert "_FusedConv2D" in split["op_types"]
 
 
+BATCH_STATISTICS = r"""
+import json, sys
+import numpy as np
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)
+sys.path.insert(0, sys.argv[1])
+import tfmemopt
+from conftest import peak_before
+
+dtype, fraction, fields = sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4])
+tf.keras.backend.set_floatx(dtype)
+layers = tf.keras.layers
+B = 128
+
+
+def make():
+    # Batch normalization in training mode at full resolution, where the peak is:
+    # its backward's working set is what the budget is below.
+    tf.keras.utils.set_random_seed(0)
+    inputs = tf.keras.Input((32, 32, 3))
+    h = inputs
+    for _ in range(2):
+        h = layers.Conv2D(48, 3, padding="same", use_bias=False)(h)
+        h = layers.ReLU()(layers.BatchNormalization()(h))
+    model = tf.keras.Model(inputs, layers.Dense(10)(layers.GlobalAveragePooling2D()(h)))
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = loss_fn(y, logits)
+        return loss, logits, tape.gradient(loss, model.trainable_variables)
+
+    return step
+
+
+rng = np.random.default_rng(0)
+x = tf.constant(rng.random((B, 32, 32, 3)).astype(dtype))
+y = tf.constant(rng.integers(0, 10, size=(B,), dtype=np.int32))
+step = make()
+base = step(x, y)
+tfmemopt.enable(budget=int(fraction * peak_before(step, x, y)), log_level=0, **fields)
+mine = make()(x, y)
+report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")][-1]
+print(report.to_text(), file=sys.stderr)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-300))
+
+
+print("RESULT " + json.dumps({
+    "changed": report.graph_changed, "split": report.split, "split_ops": report.split_ops,
+    "text": report.to_text(),
+    "bitwise": {"loss": base[0].numpy().tobytes() == mine[0].numpy().tobytes(),
+                "logits": base[1].numpy().tobytes() == mine[1].numpy().tobytes()},
+    "grads": [rel(a, b) for a, b in zip(base[2], mine[2])]}))
+"""
+
+
+def batch_statistics(dtype, fraction, **fields):
+    proc = run_python(BATCH_STATISTICS, BENCHMARKS.replace("benchmarks", "tests"), dtype,
+                      fraction, json.dumps(fields))
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def spread_over_batch(result):
+    """Split ops that spread a gradient of batch statistics over the batch."""
+    return [name for name in result["split_ops"] if re.search(r"/moments/Tile(_1)?$", name)]
+
+
+def test_splitting_through_batch_statistics_is_opt_in_and_named_in_the_report():
+    result = batch_statistics("float32", 0.3)
+    assert not spread_over_batch(result)
+    assert result["split"]["left_alone"].get("batch_statistics", 0) >= 4, result["split"]
+    assert "split_batch_statistics=True" in result["text"]
+
+
+def test_split_through_batch_statistics_is_exact_up_to_the_order_of_float_sums():
+    # float64: what the split changes is the order of sums only, so the gradients
+    # agree with the unsplit step's to within float64 rounding magnified by batch
+    # normalization's backward (which subtracts nearly equal sums: about 1e4 here).
+    result = batch_statistics("float64", 0.3, split_batch_statistics=True)
+    assert result["changed"] and result["split"]["applied"], result["split"]
+    # The gradients of both layers' mean and variance (moments/Tile, Tile_1).
+    assert len(spread_over_batch(result)) >= 3, result["split_ops"]
+    assert result["bitwise"] == {"loss": True, "logits": True}
+    assert max(result["grads"]) < 1e-9, result["grads"]
+    # float32: the stated tolerance of docs/split.md#batch-statistics. The same
+    # magnification makes the layers below a split normalization differ by up to
+    # about 1e-3; the loss stays bitwise.
+    result = batch_statistics("float32", 0.3, split_batch_statistics=True)
+    assert result["split"]["applied"] and spread_over_batch(result), result["split"]
+    assert result["bitwise"] == {"loss": True, "logits": True}
+    assert 0 < max(result["grads"]) < 5e-3, result["grads"]
+
+
 NUMERICS = r'''
 import json, sys
 import numpy as np

@@ -79,13 +79,25 @@ bool PlainValue(tensorflow::DataType dtype) {
 
 class Classifier {
  public:
-  Classifier(const TensorTable& table, const BatchAnalysis& analysis)
-      : table_(table), a_(analysis) {}
+  Classifier(const TensorTable& table, const BatchAnalysis& analysis,
+             bool through_batch_statistics)
+      : table_(table), a_(analysis), through_batch_statistics_(through_batch_statistics) {}
 
   // A tensor cut along the batch: known, plain, rank >= 1, dimension 0 the batch.
   bool BatchShaped(int t) const {
     return a_.shape_known[t] && !a_.shapes[t].empty() && a_.shapes[t][0] == a_.batch &&
            PlainValue(table_.tensors[t].dtype);
+  }
+
+  // An op that makes a batch-shaped output from input 0 of at most one row: of a
+  // lower rank, or of the output's rank with dimension 0 of size 1.
+  bool MakesBatchFromOneRow(const NodeInfo& node) const {
+    if (node.inputs.empty() || node.outputs.size() != 1) return false;
+    const int in = node.inputs[0];
+    const int out = node.outputs[0];
+    if (!a_.shape_known[in] || !BatchShaped(out)) return false;
+    const std::vector<int64_t>& shape = a_.shapes[in];
+    return shape.size() < a_.shapes[out].size() || (!shape.empty() && shape[0] == 1);
   }
 
   // The constant behind input `port` of `node`, if its producer is a Const.
@@ -187,16 +199,27 @@ class Classifier {
       use.shape_inputs = {2};
     } else if (op == "Tile") {
       std::vector<int64_t> multiples;
-      if (inputs != 2 || !InputInts(node, 1, &multiples) || multiples.empty() ||
-          multiples[0] != 1) {
+      if (inputs != 2 || !InputInts(node, 1, &multiples) || multiples.empty()) {
         return Not("op");
       }
-      use.batch_inputs = {0};
+      if (multiples[0] == 1) {
+        use.batch_inputs = {0};
+      } else if (MakesBatchFromOneRow(node) && multiples[0] == a_.batch) {
+        if (!through_batch_statistics_) return Not("batch_statistics");
+        use.multiples_input = 1;
+      } else {
+        return Not("op");
+      }
+    } else if (op == "BroadcastTo") {
+      if (inputs != 2 || !MakesBatchFromOneRow(node)) return Not("op");
+      if (!through_batch_statistics_) return Not("batch_statistics");
+      use.shape_inputs = {1};
     } else {
       return Not("op");
     }
     if (role == BatchRole::kReduce && !node.backward) return Not("forward_reduction");
-    if (use.batch_inputs.empty()) return Not("shape");
+    const bool makes_batch = op == "BroadcastTo" || use.multiples_input >= 0;
+    if (use.batch_inputs.empty() && !makes_batch) return Not("shape");
     for (int port : use.batch_inputs) {
       if (port >= inputs || !BatchShaped(node.inputs[port])) return Not("shape");
     }
@@ -228,13 +251,14 @@ class Classifier {
 
   const TensorTable& table_;
   const BatchAnalysis& a_;
+  const bool through_batch_statistics_;
 };
 
 }  // namespace
 
 absl::Status AnalyzeBatch(const tensorflow::grappler::GrapplerItem& item,
                           const TensorTable& table, const ControlFlowInfo& flow,
-                          BatchAnalysis* analysis) {
+                          bool through_batch_statistics, BatchAnalysis* analysis) {
   *analysis = BatchAnalysis();
   tensorflow::grappler::GraphProperties properties(item);
   absl::Status status = properties.InferStatically(
@@ -280,7 +304,7 @@ absl::Status AnalyzeBatch(const tensorflow::grappler::GrapplerItem& item,
     for (BatchUse& use : analysis->nodes) use.why_not = "batch_unknown";
     return absl::OkStatus();
   }
-  Classifier classifier(table, *analysis);
+  Classifier classifier(table, *analysis, through_batch_statistics);
   for (size_t n = 0; n < table.nodes.size(); ++n) {
     const NodeInfo& node = table.nodes[n];
     BatchUse& use = analysis->nodes[n];

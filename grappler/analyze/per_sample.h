@@ -12,6 +12,13 @@
 //    gradients of these with respect to their inputs (ReluGrad, MaxPoolGrad,
 //    Conv2DBackpropInput, ...). The fused forms TF's remapper produces on this
 //    wheel (_FusedConv2D, _FusedMatMul, _FusedDepthwiseConv2dNative) too.
+//    Also the ops that *make* a tensor along the batch from one row or less: a
+//    Tile whose input has one row and whose multiples repeat it over the batch,
+//    and a BroadcastTo onto the batch (the gradients of a mean or a sum over the
+//    batch, as in an unfused batch normalization's). Their input is used whole and
+//    each slice makes its own rows. Only when `through_batch_statistics`: the
+//    slices' sums of batch normalization's gradient are nearly equal terms that
+//    its backward subtracts, so their other order shows far more than elsewhere.
 //  * a batch reduction if its output is a sum over the rows of per-row terms: the
 //    weight gradients (Conv2DBackpropFilter, BiasAddGrad, MatMul with the batch
 //    transposed, Sum over dimension 0). Only backward ops are taken as reductions:
@@ -46,6 +53,9 @@ struct BatchUse {
   // Conv2DBackpropInput's input_sizes, AvgPoolGrad's orig_input_shape): each
   // slice gets a constant of its own.
   std::vector<int> shape_inputs;
+  // A Tile's multiples input when it repeats a one-row input over the batch: each
+  // slice gets the multiples with the slice's rows first.
+  int multiples_input = -1;
   std::string why_not;  // kNone: why ("op", "shape", "stateful", "control_flow", ...)
 };
 
@@ -59,10 +69,12 @@ struct BatchAnalysis {
   std::vector<bool> shape_known;
 };
 
-// Classifies every node of `table` (built from `item`).
+// Classifies every node of `table` (built from `item`). The ops that make a tensor
+// along the batch from one row are per-sample only with `through_batch_statistics`
+// (else why_not "batch_statistics").
 absl::Status AnalyzeBatch(const tensorflow::grappler::GrapplerItem& item,
                           const TensorTable& table, const ControlFlowInfo& flow,
-                          BatchAnalysis* analysis);
+                          bool through_batch_statistics, BatchAnalysis* analysis);
 
 }  // namespace tfmemopt
 

@@ -92,6 +92,9 @@ std::vector<std::vector<int>> Regions(const TensorTable& table, const BatchAnaly
     if (reason.empty()) {
       bool touches_batch = false;
       for (int port : use.batch_inputs) touches_batch |= derived[table.nodes[v].inputs[port]];
+      // An op that makes the batch from one row (the gradient of a mean over the
+      // batch) is worth splitting when that row comes from the batch's data.
+      if (use.batch_inputs.empty()) touches_batch = derived[table.nodes[v].inputs[0]];
       if (!touches_batch) reason = "not_batch_data";
     }
     if (reason.empty()) {
@@ -201,7 +204,7 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
                        const SimulationResult& unsplit_simulation, SplitOutcome* out) {
   out->planned = true;
   BatchAnalysis batch;
-  absl::Status status = AnalyzeBatch(item, table, flow, &batch);
+  absl::Status status = AnalyzeBatch(item, table, flow, options.split_batch_statistics, &batch);
   if (!status.ok()) {
     out->note = absl::StrCat("the batch could not be analyzed: ", status.message());
     return absl::OkStatus();

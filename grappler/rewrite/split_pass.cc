@@ -354,8 +354,17 @@ class SplitBuilder {
           }
           cut_device_.emplace(t, node(q).def->device());
         }
-      } else if (IsShapeInput(q, static_cast<int>(port))) {
+      } else if (IsShapeInput(q, static_cast<int>(port)) ||
+                 batch_.nodes[q].multiples_input == static_cast<int>(port)) {
+        // The slice's output shape; for a Tile of one row, its multiples (the
+        // output's shape over the input's), the slice's rows first.
         std::vector<int64_t> shape = batch_.shapes[node(q).outputs[0]];
+        if (batch_.nodes[q].multiples_input == static_cast<int>(port)) {
+          const std::vector<int64_t>& input = batch_.shapes[node(q).inputs[0]];
+          for (size_t d = 0; d < shape.size() && d < input.size(); ++d) {
+            shape[d] = input[d] > 0 ? shape[d] / input[d] : shape[d];
+          }
+        }
         shape[0] = rows_[i];
         const std::string const_name = absl::StrCat(kSplitScope, name(q), "/shape_", port, "_", i);
         extra_.push_back(IntVectorConst(const_name, node(q).def->device(),

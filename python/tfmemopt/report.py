@@ -439,8 +439,16 @@ class Report:
         sp = self.split
         if not sp.get("planned"):
             return []
+        # Gradients of batch statistics (a mean over the batch spread back over it)
+        # end the regions unless the user allows splitting through them.
+        statistics = sp.get("left_alone", {}).get("batch_statistics", 0)
+        statistics_line = (
+            [f"    {statistics} op{'' if statistics == 1 else 's'} spreading a gradient of "
+             "batch statistics over the batch left whole: split_batch_statistics=True splits "
+             "through them (docs/split.md#batch-statistics)"] if statistics else [])
         if not sp.get("applied"):
-            return [f"  split: nothing split ({sp.get('note') or 'no split helps'})"]
+            return ([f"  split: nothing split ({sp.get('note') or 'no split helps'})"]
+                    + statistics_line)
         rows = sp.get("rows", [])
         sizes = (f"{rows[0]} rows" if len(set(rows)) == 1 else
                  f"{min(rows)}-{max(rows)} rows") if rows else ""
@@ -460,7 +468,7 @@ class Report:
         lines.append(f"    slices tried (predicted peak): {tried}")
         if sp.get("note"):
             lines.append(f"    {sp['note']}")
-        return lines
+        return lines + statistics_line
 
     def _swap_lines(self):
         sw = self.swap
