@@ -10,13 +10,16 @@ in the same run, taking turns step by step, and
 overhead_at_baseline_max = t_tfmemopt / t_baseline - 1 (medians; overhead_auto likewise).
 
 Configurations: "baseline" (without tfmemopt), "tfmemopt" (swap only:
-enable_recompute=False, other fields at their defaults) and "auto" (the joint planner:
-keep, swap or recompute each tensor; every field at its default).
+enable_recompute=False, other fields at their defaults), "auto" (the joint planner:
+keep, swap or recompute each tensor; every field at its default) and
+"auto_batch_statistics" (auto with split_batch_statistics=True: splitting along the
+batch may pass through batch normalization's gradient, docs/split.md#batch-statistics).
 
 Usage: python benchmarks/resnet50_lms.py [--cap-mb 1024] [--lo 16] [--hi 1024] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:
 {"max_batch_baseline", "max_batch_tfmemopt", "max_batch_auto",
-"overhead_at_baseline_max" (tfmemopt's), "overhead_auto", ...}.
+"max_batch_auto_batch_statistics", "overhead_at_baseline_max" (tfmemopt's),
+"overhead_auto", "overhead_auto_batch_statistics", ...}.
 """
 
 import json
@@ -31,7 +34,8 @@ from tfmemopt.maxbatch import compare, table  # noqa: E402
 
 # What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
 # "auto": the joint planner (swap and recompute, every field at its default).
-CONFIGS = {"baseline": None, "tfmemopt": {"enable_recompute": False}, "auto": {}}
+CONFIGS = {"baseline": None, "tfmemopt": {"enable_recompute": False}, "auto": {},
+           "auto_batch_statistics": {"split_batch_statistics": True}}
 DEFAULTS = dict(size=64, cap_mb=1024, lo=16, hi=1024, steps=2, rounds=10)
 # --quick: small images, one trial per configuration and two timed steps (ResNet-50's
 # graph still takes tens of seconds to build in each trial).
@@ -73,7 +77,11 @@ def main():
             "max_batch_baseline": results["baseline"].max_batch,
             "max_batch_tfmemopt": results["tfmemopt"].max_batch if "tfmemopt" in results else None,
             "max_batch_auto": results["auto"].max_batch if "auto" in results else None,
+            "max_batch_auto_batch_statistics":
+                results["auto_batch_statistics"].max_batch
+                if "auto_batch_statistics" in results else None,
             "overhead_auto": comparison.overhead.get("auto"),
+            "overhead_auto_batch_statistics": comparison.overhead.get("auto_batch_statistics"),
             "overhead_at_baseline_max": overhead,
             "settings": settings,
             "configs": CONFIGS,
