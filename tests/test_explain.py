@@ -4,6 +4,8 @@ config, which graphs it optimized and which graph functions it never saw, and wh
 
 import threading
 
+import pytest
+
 import tensorflow as tf
 
 import tfmemopt
@@ -124,6 +126,40 @@ def test_functions_run_eagerly_is_told_once_and_the_pass_acts_once_it_is_off():
             "is built") in out, out
     assert "EAGER True" in out and "REPORTS 0" in out, out
     assert "AFTER 1" in out, out
+
+
+KERAS_RUN_EAGERLY = r"""
+import sys
+if sys.argv[1] == "keras_first":
+    import keras
+import tensorflow as tf, tfmemopt
+import keras
+import numpy as np
+tfmemopt.enable("1GiB", log_level=0)
+model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(4)], name="tiny_mlp")
+x, y = np.ones((64, 16), np.float32), np.zeros((64,), np.int32)
+model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              run_eagerly=True)
+model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+print("REASON", tfmemopt.explain().not_seen.get("Keras model tiny_mlp"))
+print("REPORTS", len([r for r in tfmemopt.reports() if "step_on_" in r.graph_id]))
+model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+print("AFTER", len([r for r in tfmemopt.reports() if "step_on_" in r.graph_id]))
+"""
+
+
+@pytest.mark.parametrize("order", ["tfmemopt_first", "keras_first"])
+def test_keras_run_eagerly_is_told_once_and_the_pass_acts_once_it_is_off(order):
+    proc = run_python(KERAS_RUN_EAGERLY, order, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err, out = proc.stderr, proc.stdout
+    assert err.count("Keras model tiny_mlp is compiled with run_eagerly=True") == 1, \
+        err[-2000:]
+    assert ("REASON compiled with run_eagerly=True: Keras runs its steps as Python, so no "
+            "graph is built") in out, out
+    assert "REPORTS 0" in out and "AFTER 1" in out, out
 
 
 def test_interactive_session_is_told_once():

@@ -15,8 +15,9 @@ places are found here and told to the user once, as they happen:
   pruned graph"); a WARNING when such a Session is created with the pass in its config;
 * a tf.function that runs eagerly (`tf.config.run_functions_eagerly(True)`, often left
   on after debugging): no graph is built, so there is nothing to optimize (a WARNING,
-  once). Keras' `compile(run_eagerly=True)` builds no tf.function either; the Keras
-  callback tells that one (tfmemopt.keras).
+  once);
+* a Keras model compiled with `run_eagerly=True`: Keras runs its steps as Python and
+  builds no tf.function (a WARNING, once per model; observed in tfmemopt._keras_hook).
 
 And where the pass did act but its plan ran out of memory in a plain tf.function or
 Keras `fit` under enable() (no wrapper that retries): a WARNING, once per graph,
@@ -35,7 +36,7 @@ import threading
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 
-from tfmemopt import _eager_context
+from tfmemopt import _eager_context, _keras_hook
 from tfmemopt.config import PASS_NAME
 
 DEFAULT_MIN_GRAPH_NODES = 4  # Grappler's kDefaultMinGraphNodes (meta_optimizer.cc)
@@ -133,6 +134,26 @@ def _on_eager_run(function):
                "memory.", name)
 
 
+KERAS_EAGER_REASON = ("compiled with run_eagerly=True: Keras runs its steps as Python, "
+                      "so no graph is built")
+
+
+def _on_keras_eager(model):
+    name = f"Keras model {getattr(model, 'name', type(model).__name__)}"
+    with _lock:
+        if name in _skipped:
+            return
+    if not _pass_in(_eager_context.current_rewrite_options()):
+        return
+    with _lock:
+        _skipped[name] = KERAS_EAGER_REASON
+    _tell_once(("keras-eager", name), "warning",
+               "tfmemopt: %s is compiled with run_eagerly=True; Keras then runs its "
+               "steps as Python and builds no graph, so tfmemopt does not act on it. "
+               "Compile with run_eagerly=False (the default) to let tfmemopt plan its "
+               "memory.", name)
+
+
 def _on_out_of_memory(function, error):
     import tfmemopt
     from tfmemopt import feedback
@@ -187,6 +208,7 @@ def _on_session(config):
 def install():
     _eager_context.set_observers(_on_function_call, _on_session, _on_eager_run,
                                  _on_out_of_memory)
+    _keras_hook.watch(_on_keras_eager)
 
 
 def warn_if_pruned(config):

@@ -1,0 +1,55 @@
+"""The one place that touches Keras' private trainer: telling when a Keras model will
+run its steps eagerly.
+
+`model.compile(run_eagerly=True)` makes Keras run `train_step` (and test and predict)
+as plain Python: no tf.function, so no graph, so Grappler and tfmemopt never see the
+step. TF is never asked for a graph function, so nothing in `_eager_context` hears of
+it. Keras decides in `TensorFlowTrainer._make_function`, which reads
+`self.run_eagerly` before it wraps the step in a tf.function; that method is observed
+here (only read: its arguments and result pass through unchanged, and an observer
+that fails is ignored).
+
+`import tensorflow` (2.21) imports that module with Keras, before tfmemopt can be
+imported, so it is patched at `watch()`; without Keras there is nothing to watch.
+"""
+
+import functools
+import sys
+
+TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
+
+_observer = None  # observer(model), when a model makes a step function that runs eagerly
+
+
+def _make_function_observed(original):
+    @functools.wraps(original)
+    def _make_function(self, *args, **kwargs):
+        observer = _observer
+        if observer is not None:
+            try:
+                if getattr(self, "run_eagerly", False):
+                    observer(self)
+            except Exception:  # noqa: BLE001 - telling the user must not break Keras
+                pass
+        return original(self, *args, **kwargs)
+
+    _make_function._tfmemopt_observed = True
+    return _make_function
+
+
+def _patch(module):
+    trainer = getattr(module, "TensorFlowTrainer", None)
+    original = getattr(trainer, "_make_function", None)
+    if original is None or getattr(original, "_tfmemopt_observed", False):
+        return
+    trainer._make_function = _make_function_observed(original)
+
+
+def watch(observer):
+    """Calls observer(model) whenever a Keras model makes a step function that runs
+    eagerly (None stops)."""
+    global _observer
+    _observer = observer
+    module = sys.modules.get(TRAINER_MODULE)
+    if module is not None:
+        _patch(module)
