@@ -117,21 +117,28 @@ EAGER_REASON = ("runs eagerly (tf.config.run_functions_eagerly(True)), so no gra
                 "built")
 
 
-def _on_eager_run(function):
-    name = getattr(function, "_name", None) or repr(function)
+def _first_skip(name, reason):
+    """Records that `name` ran without a graph for `reason`; True the first time, and
+    only while the pass is enabled in this thread (else there is nothing to tell)."""
     with _lock:
         if name in _skipped:
-            return
+            return False
     if not _pass_in(_eager_context.current_rewrite_options()):
-        return
+        return False
     with _lock:
-        _skipped[name] = EAGER_REASON
-    _tell_once("eager", "warning",
-               "tfmemopt: tf.function %s runs eagerly because "
-               "tf.config.run_functions_eagerly(True) is set; no graph is built, so "
-               "tfmemopt does not act on it (nor on any tf.function while it is set). "
-               "Call tf.config.run_functions_eagerly(False) to let tfmemopt plan its "
-               "memory.", name)
+        _skipped[name] = reason
+    return True
+
+
+def _on_eager_run(function):
+    name = getattr(function, "_name", None) or repr(function)
+    if _first_skip(name, EAGER_REASON):
+        _tell_once("eager", "warning",
+                   "tfmemopt: tf.function %s runs eagerly because "
+                   "tf.config.run_functions_eagerly(True) is set; no graph is built, so "
+                   "tfmemopt does not act on it (nor on any tf.function while it is set). "
+                   "Call tf.config.run_functions_eagerly(False) to let tfmemopt plan its "
+                   "memory.", name)
 
 
 KERAS_EAGER_REASON = ("compiled with run_eagerly=True: Keras runs its steps as Python, "
@@ -140,18 +147,12 @@ KERAS_EAGER_REASON = ("compiled with run_eagerly=True: Keras runs its steps as P
 
 def _on_keras_eager(model):
     name = f"Keras model {getattr(model, 'name', type(model).__name__)}"
-    with _lock:
-        if name in _skipped:
-            return
-    if not _pass_in(_eager_context.current_rewrite_options()):
-        return
-    with _lock:
-        _skipped[name] = KERAS_EAGER_REASON
-    _tell_once(("keras-eager", name), "warning",
-               "tfmemopt: %s is compiled with run_eagerly=True; Keras then runs its "
-               "steps as Python and builds no graph, so tfmemopt does not act on it. "
-               "Compile with run_eagerly=False (the default) to let tfmemopt plan its "
-               "memory.", name)
+    if _first_skip(name, KERAS_EAGER_REASON):
+        _tell_once(("keras-eager", name), "warning",
+                   "tfmemopt: %s is compiled with run_eagerly=True; Keras then runs its "
+                   "steps as Python and builds no graph, so tfmemopt does not act on it. "
+                   "Compile with run_eagerly=False (the default) to let tfmemopt plan its "
+                   "memory.", name)
 
 
 def _on_out_of_memory(function, error):
