@@ -205,14 +205,14 @@ class Classifier {
       if (multiples[0] == 1) {
         use.batch_inputs = {0};
       } else if (MakesBatchFromOneRow(node) && multiples[0] == a_.batch) {
-        if (!through_batch_statistics_) return Not("batch_statistics");
+        if (!through_batch_statistics_) return NotThroughStatistics(node);
         use.multiples_input = 1;
       } else {
         return Not("op");
       }
     } else if (op == "BroadcastTo") {
       if (inputs != 2 || !MakesBatchFromOneRow(node)) return Not("op");
-      if (!through_batch_statistics_) return Not("batch_statistics");
+      if (!through_batch_statistics_) return NotThroughStatistics(node);
       use.shape_inputs = {1};
     } else {
       return Not("op");
@@ -243,6 +243,14 @@ class Classifier {
   }
 
  private:
+  // Without the option a maker ends the regions. In the backward pass it spreads a
+  // gradient of a mean over the batch (batch normalization's): counted apart, so
+  // that the report can name the option. A forward one (a class token tiled over
+  // the batch) has nothing to do with it.
+  static BatchUse NotThroughStatistics(const NodeInfo& node) {
+    return Not(node.backward ? "batch_statistics" : "op");
+  }
+
   static BatchUse Not(const char* why) {
     BatchUse use;
     use.why_not = why;

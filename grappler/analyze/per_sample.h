@@ -71,7 +71,7 @@ struct BatchAnalysis {
 
 // Classifies every node of `table` (built from `item`). The ops that make a tensor
 // along the batch from one row are per-sample only with `through_batch_statistics`
-// (else why_not "batch_statistics").
+// (else why_not "batch_statistics" in the backward pass, "op" in the forward).
 absl::Status AnalyzeBatch(const tensorflow::grappler::GrapplerItem& item,
                           const TensorTable& table, const ControlFlowInfo& flow,
                           bool through_batch_statistics, BatchAnalysis* analysis);
