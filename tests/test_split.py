@@ -301,6 +301,27 @@ def test_splitting_through_batch_statistics_is_opt_in_and_named_in_the_report():
     assert "split_batch_statistics=True" in result["text"]
 
 
+def test_a_forward_tile_over_the_batch_is_not_counted_as_batch_statistics():
+    # A class token tiled over the batch (forward, a weight) has nothing to do with
+    # split_batch_statistics; the gradient of the loss's mean, spread over the batch
+    # by a Tile in the backward pass, does.
+    batch, tokens, width = 256, 64, 256
+    token = tf.Variable(tf.random.normal([1, 1, width], seed=0))
+    w = tf.Variable(tf.random.normal([width, width], seed=1) * 0.05)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = tf.concat([tf.tile(token, [batch, 1, 1]), x], axis=1)
+            loss = tf.reduce_mean(tf.square(tf.nn.relu(tf.einsum("btd,de->bte", h, w))))
+        return tape.gradient(loss, [token, w])
+
+    x = tf.random.normal([batch, tokens, width], seed=2)
+    report = tfmemopt.analyze(step, x, budget=int(0.3 * peak_before(step, x)))
+    assert report.split["planned"], report.split
+    assert report.split["left_alone"].get("batch_statistics") == 1, report.split["left_alone"]
+
+
 def test_split_through_batch_statistics_is_exact_up_to_the_order_of_float_sums():
     # float64: what the split changes is the order of sums only, so the gradients
     # agree with the unsplit step's to within float64 rounding magnified by batch
