@@ -11,15 +11,15 @@ overhead_at_baseline_max = t_tfmemopt / t_baseline - 1 (medians; overhead_auto l
 
 Configurations: "baseline" (without tfmemopt), "tfmemopt" (swap only:
 enable_recompute=False, other fields at their defaults), "auto" (the joint planner:
-keep, swap or recompute each tensor; every field at its default) and
-"auto_batch_statistics" (auto with split_batch_statistics=True: splitting along the
-batch may pass through batch normalization's gradient, docs/split.md#batch-statistics).
+keep, swap or recompute each tensor; every field at its default) and "auto_exact"
+(auto with split_batch_statistics=False: splitting along the batch never passes
+through batch normalization's gradient, docs/split.md#batch-statistics). Splitting is
+on in every tfmemopt configuration (the default), used only when nothing else fits.
 
 Usage: python benchmarks/resnet50_lms.py [--cap-mb 1024] [--lo 16] [--hi 1024] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:
-{"max_batch_baseline", "max_batch_tfmemopt", "max_batch_auto",
-"max_batch_auto_batch_statistics", "overhead_at_baseline_max" (tfmemopt's),
-"overhead_auto", "overhead_auto_batch_statistics", ...}.
+{"max_batch_baseline", "max_batch_tfmemopt", "max_batch_auto", "max_batch_auto_exact",
+"overhead_at_baseline_max" (tfmemopt's), "overhead_auto", "overhead_auto_exact", ...}.
 """
 
 import json
@@ -35,7 +35,7 @@ from tfmemopt.maxbatch import compare, table  # noqa: E402
 # What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
 # "auto": the joint planner (swap and recompute, every field at its default).
 CONFIGS = {"baseline": None, "tfmemopt": {"enable_recompute": False}, "auto": {},
-           "auto_batch_statistics": {"split_batch_statistics": True}}
+           "auto_exact": {"split_batch_statistics": False}}
 DEFAULTS = dict(size=64, cap_mb=1024, lo=16, hi=1024, steps=2, rounds=10)
 # --quick: small images, one trial per configuration and two timed steps (ResNet-50's
 # graph still takes tens of seconds to build in each trial).
@@ -77,11 +77,10 @@ def main():
             "max_batch_baseline": results["baseline"].max_batch,
             "max_batch_tfmemopt": results["tfmemopt"].max_batch if "tfmemopt" in results else None,
             "max_batch_auto": results["auto"].max_batch if "auto" in results else None,
-            "max_batch_auto_batch_statistics":
-                results["auto_batch_statistics"].max_batch
-                if "auto_batch_statistics" in results else None,
+            "max_batch_auto_exact":
+                results["auto_exact"].max_batch if "auto_exact" in results else None,
             "overhead_auto": comparison.overhead.get("auto"),
-            "overhead_auto_batch_statistics": comparison.overhead.get("auto_batch_statistics"),
+            "overhead_auto_exact": comparison.overhead.get("auto_exact"),
             "overhead_at_baseline_max": overhead,
             "settings": settings,
             "configs": CONFIGS,

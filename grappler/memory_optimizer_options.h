@@ -35,8 +35,8 @@ struct MemoryOptimizerOptions {
   // Split per-sample work along the batch when nothing else meets the budget.
   bool enable_split = true;
   // Splitting may pass through the gradient of a mean over the batch (batch
-  // normalization's); see the proto field.
-  bool split_batch_statistics = false;
+  // normalization's) when no other split fits; see the proto field.
+  bool split_batch_statistics = true;
   // Below this size a tensor is never swapped or recomputed. kAdaptiveMinTensorBytes
   // (the default): 1 MiB while the budget can be met without smaller tensors, lower
   // steps (AdaptiveMinTensorBytesSteps) when it cannot.

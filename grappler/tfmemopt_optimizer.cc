@@ -273,8 +273,8 @@ void FillSplitReport(const SplitOutcome& split, SplitReport* report) {
   report->note = split.note;
   report->left_alone = split.left_alone;
   for (const SplitTrial& trial : split.trials) {
-    report->trials.push_back(
-        {trial.slices, trial.region_nodes, trial.peak_bytes, trial.fits, trial.added_seconds});
+    report->trials.push_back({trial.slices, trial.region_nodes, trial.peak_bytes, trial.fits,
+                              trial.added_seconds, trial.through_batch_statistics});
   }
   if (!split.applied) return;
   report->slices = split.spec.slices;
@@ -288,6 +288,7 @@ void FillSplitReport(const SplitOutcome& split, SplitReport* report) {
   report->shape_constants = split.summary.shape_constants;
   report->added_nodes = split.summary.added_nodes;
   report->added_seconds = split.added_seconds;
+  report->through_batch_statistics = split.through_batch_statistics;
 }
 
 MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,

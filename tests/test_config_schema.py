@@ -168,7 +168,7 @@ def test_cpp_rejects_bad_parameter_map(params, words):
 def test_cpp_accepts_every_valid_field():
     entry = tmconfig.custom_optimizer_entry(tfmemopt.make_config(
         0.5, mode="MANUAL", enable_swap=False, enable_recompute=False,
-        enable_schedule=False, enable_split=False, split_batch_statistics=True,
+        enable_schedule=False, enable_split=False, split_batch_statistics=False,
         min_tensor_bytes="4MiB", exclude_scopes=["x/"],
         include_scopes=["y/"], exclude_op_types=["Conv2D"], include_op_types=["Relu"],
         host_bandwidth_bytes_per_sec=8e9, fail_on_infeasible=True, log_level=2,

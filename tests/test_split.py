@@ -76,6 +76,9 @@ def test_a_budget_below_one_ops_working_set_is_met_by_micro_batches(seed_cnn):
     split = report.split
     k = split["slices"]
     assert split["applied"] and k >= 2 and sum(split["rows"]) == 256
+    # A split that leaves every batch statistic whole fits: nothing is searched
+    # through them.
+    assert not any(t["through_batch_statistics"] for t in split["trials"]), split["trials"]
     # The convolutions, their gradients and the weight gradients are split.
     assert {"_FusedConv2D", "MaxPool", "Conv2DBackpropFilter", "Conv2DBackpropInput",
             "MaxPoolGrad", "ReluGrad", "BiasAddGrad"} <= set(split["op_types"])
@@ -274,6 +277,7 @@ def rel(a, b):
 
 print("RESULT " + json.dumps({
     "changed": report.graph_changed, "split": report.split, "split_ops": report.split_ops,
+    "peak_after": list(report.predicted_peak_bytes["after"].values()),
     "text": report.to_text(),
     "bitwise": {"loss": base[0].numpy().tobytes() == mine[0].numpy().tobytes(),
                 "logits": base[1].numpy().tobytes() == mine[1].numpy().tobytes()},
@@ -294,11 +298,32 @@ def spread_over_batch(result):
     return [name for name in result["split_ops"] if re.search(r"/moments/Tile(_1)?$", name)]
 
 
-def test_splitting_through_batch_statistics_is_opt_in_and_named_in_the_report():
+def test_batch_statistics_are_split_through_when_no_other_split_fits_and_the_report_says_so():
+    # At 0.3 of its peak, the normalized CNN's full-batch normalization backward does
+    # not fit: no split that ends at its statistics fits, so the planner searches
+    # again through them and takes that split (the lowest peak found), and says so.
     result = batch_statistics("float32", 0.3)
+    split = result["split"]
+    assert split["applied"] and split["through_batch_statistics"], split
+    assert spread_over_batch(result), result["split_ops"]
+    trials = split["trials"]
+    assert trials and not trials[0]["through_batch_statistics"], trials
+    assert not any(t["fits"] for t in trials if not t["through_batch_statistics"]), trials
+    assert any(t["through_batch_statistics"] for t in trials), trials
+    exact = min(max(t["peak_bytes"]) for t in trials if not t["through_batch_statistics"])
+    assert max(result["peak_after"]) < exact, (result["peak_after"], trials)
+    assert "through batch statistics" in result["text"]
+    assert "split_batch_statistics=False forbids it" in result["text"]
+    assert result["bitwise"] == {"loss": True, "logits": True}
+
+
+def test_split_batch_statistics_false_leaves_them_whole_and_the_report_counts_them():
+    result = batch_statistics("float32", 0.3, split_batch_statistics=False)
     assert not spread_over_batch(result)
+    assert not result["split"]["through_batch_statistics"], result["split"]
+    assert not any(t["through_batch_statistics"] for t in result["split"]["trials"])
     assert result["split"]["left_alone"].get("batch_statistics", 0) >= 4, result["split"]
-    assert "split_batch_statistics=True" in result["text"]
+    assert "split_batch_statistics is not False" in result["text"]
 
 
 def test_a_forward_tile_over_the_batch_is_not_counted_as_batch_statistics():
@@ -326,7 +351,7 @@ def test_split_through_batch_statistics_is_exact_up_to_the_order_of_float_sums()
     # float64: what the split changes is the order of sums only, so the gradients
     # agree with the unsplit step's to within float64 rounding magnified by batch
     # normalization's backward (which subtracts nearly equal sums: about 1e4 here).
-    result = batch_statistics("float64", 0.3, split_batch_statistics=True)
+    result = batch_statistics("float64", 0.3)
     assert result["changed"] and result["split"]["applied"], result["split"]
     # The gradients of both layers' mean and variance (moments/Tile, Tile_1).
     assert len(spread_over_batch(result)) >= 3, result["split_ops"]
@@ -335,7 +360,7 @@ def test_split_through_batch_statistics_is_exact_up_to_the_order_of_float_sums()
     # float32: the stated tolerance of docs/split.md#batch-statistics. The same
     # magnification makes the layers below a split normalization differ by up to
     # about 1e-3; the loss stays bitwise.
-    result = batch_statistics("float32", 0.3, split_batch_statistics=True)
+    result = batch_statistics("float32", 0.3)
     assert result["split"]["applied"] and spread_over_batch(result), result["split"]
     assert result["bitwise"] == {"loss": True, "logits": True}
     assert 0 < max(result["grads"]) < 5e-3, result["grads"]

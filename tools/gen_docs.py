@@ -146,9 +146,8 @@ def max_batch(key_base, key_swap, key_auto, what):
                                       else "tfmemopt, recompute only", key_swap,
                                       r.get("overhead_at_baseline_max")),
                                      ("tfmemopt (auto)", key_auto, r.get("overhead_auto")),
-                                     ("tfmemopt (auto, split_batch_statistics)",
-                                      key_auto + "_batch_statistics",
-                                      r.get("overhead_auto_batch_statistics"))):
+                                     ("tfmemopt (auto, split_batch_statistics=False)",
+                                      key_auto + "_exact", r.get("overhead_auto_exact"))):
             value = r.get(key)
             if value is None:
                 continue

@@ -197,14 +197,20 @@ bool NeedsSplit(const MemoryPlan& plan, const SimulationResult& simulation,
   return false;
 }
 
-absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
-                       const std::vector<int>& order, const ControlFlowInfo& flow,
-                       const MemoryOptimizerOptions& options,
-                       const MemoryPlannerOptions& planner, const MemoryPlan& unsplit,
-                       const SimulationResult& unsplit_simulation, SplitOutcome* out) {
+namespace {
+
+// One search over regions and slice counts (see the header). With
+// `through_batch_statistics`, gradients of batch statistics are per-sample ops
+// (analyze/per_sample.h), so regions pass through them.
+absl::Status SearchSplits(const GrapplerItem& item, const TensorTable& table,
+                          const std::vector<int>& order, const ControlFlowInfo& flow,
+                          const MemoryOptimizerOptions& options,
+                          const MemoryPlannerOptions& planner, const MemoryPlan& unsplit,
+                          const SimulationResult& unsplit_simulation,
+                          bool through_batch_statistics, SplitOutcome* out) {
   out->planned = true;
   BatchAnalysis batch;
-  absl::Status status = AnalyzeBatch(item, table, flow, options.split_batch_statistics, &batch);
+  absl::Status status = AnalyzeBatch(item, table, flow, through_batch_statistics, &batch);
   if (!status.ok()) {
     out->note = absl::StrCat("the batch could not be analyzed: ", status.message());
     return absl::OkStatus();
@@ -318,6 +324,7 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
       }
       SplitTrial& result = trial->result;
       result.slices = k;
+      result.through_batch_statistics = through_batch_statistics;
       result.region_nodes = static_cast<int>(region.size());
       result.peak_bytes = candidate.plan.peak_bytes;
       result.fits = !NeedsSplit(candidate.plan, candidate.simulation, planner.budget_bytes);
@@ -359,6 +366,10 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
     return absl::OkStatus();
   }
   out->applied = true;
+  out->fits = best->result.fits;
+  out->excess = best->result.excess;
+  out->peak = WorstPeak(best->result.peak_bytes);
+  out->through_batch_statistics = through_batch_statistics;
   out->spec = std::move(best->spec);
   out->summary = std::move(best->summary);
   out->added_seconds = best->result.added_seconds;
@@ -371,6 +382,49 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
                              "found (", best->result.slices, " slices)");
   }
   out->chosen = std::move(best->graph);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
+                       const std::vector<int>& order, const ControlFlowInfo& flow,
+                       const MemoryOptimizerOptions& options,
+                       const MemoryPlannerOptions& planner, const MemoryPlan& unsplit,
+                       const SimulationResult& unsplit_simulation, SplitOutcome* out) {
+  // Splits that keep every sum over the batch but the weight gradients' first.
+  absl::Status status = SearchSplits(item, table, order, flow, options, planner, unsplit,
+                                     unsplit_simulation, /*through_batch_statistics=*/false, out);
+  if (!status.ok()) return status;
+  const auto statistics = out->left_alone.find("batch_statistics");
+  if (out->fits || !options.split_batch_statistics || statistics == out->left_alone.end() ||
+      statistics->second == 0) {
+    return absl::OkStatus();
+  }
+  // Splitting through batch statistics reorders the sums that batch normalization's
+  // backward subtracts from each other (docs/split.md#batch-statistics): searched
+  // only when no other split fits, and taken when it fits or, missing the budget
+  // too, beats the split found without it (if any) on both counts, as any split
+  // must beat the plan without splitting.
+  SplitOutcome through;
+  status = SearchSplits(item, table, order, flow, options, planner, unsplit,
+                        unsplit_simulation, /*through_batch_statistics=*/true, &through);
+  if (!status.ok()) return status;
+  const bool better = through.applied &&
+                      (through.fits || !out->applied ||
+                       (through.excess < out->excess && through.peak < out->peak));
+  if (!better) {
+    out->trials.insert(out->trials.end(), through.trials.begin(), through.trials.end());
+    absl::StrAppend(&out->note, out->note.empty() ? "" : "; ",
+                    "through batch statistics: ",
+                    through.applied ? "no split comes closer to fitting" : through.note);
+    return absl::OkStatus();
+  }
+  through.trials.insert(through.trials.begin(), out->trials.begin(), out->trials.end());
+  if (through.note.empty()) {
+    through.note = "no split that leaves batch statistics whole fits the budget";
+  }
+  *out = std::move(through);
   return absl::OkStatus();
 }
 

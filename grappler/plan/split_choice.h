@@ -10,6 +10,12 @@
 //    the one with the largest op working set is tried first, then all of them.
 //  * Factor: k = 2, 4, 8, ... (at most MemoryPlannerOptions::max_split_slices and
 //    the batch size), the smallest first, since every slice runs smaller kernels.
+//  * Batch statistics: the regions first end at every gradient of a mean over the
+//    batch (batch normalization's). Only when no such split fits, and
+//    split_batch_statistics allows it, the search runs again with regions passing
+//    through them; that split is taken if it fits, or if it beats the first
+//    search's split on both counts below (it reorders the sums that batch
+//    normalization's backward subtracts: docs/split.md#batch-statistics).
 // Each candidate is built (rewrite/split_pass.h), analyzed afresh like any graph
 // (shapes, sizes, costs, the executor's order) and planned by PlanMemory, which
 // may still recompute or swap (a slice's backward can recompute that slice's
@@ -51,6 +57,7 @@ struct SplitTrial {
   bool fits = false;
   int64_t excess = 0;  // Objective::excess: over the budget plus a refusal's missing bytes
   double added_seconds = 0;
+  bool through_batch_statistics = false;  // regions passed through batch statistics
 };
 
 // A split graph, analyzed and planned. table.nodes point into item->graph.
@@ -67,6 +74,12 @@ struct SplitGraph {
 struct SplitOutcome {
   bool planned = false;  // the split planner ran
   bool applied = false;  // a split was chosen
+  bool fits = false;     // ... and its plan fits the budget
+  int64_t excess = 0;    // ... else by how much it misses (SplitTrial::excess)
+  int64_t peak = 0;      // ... the worst device's predicted peak
+  // The split passes through gradients of batch statistics (MemoryOptimizerOptions::
+  // split_batch_statistics): chosen only when no other split fits, and only if it fits.
+  bool through_batch_statistics = false;
   std::string note;      // why nothing was split, when nothing was
   int64_t batch = 0;
   SplitSpec spec;

@@ -102,6 +102,7 @@ std::string SplitJson(const SplitReport& split) {
       << ",\"shape_constants\":" << split.shape_constants
       << ",\"added_nodes\":" << split.added_nodes
       << ",\"added_seconds\":" << absl::StrFormat("%.9g", split.added_seconds)
+      << ",\"through_batch_statistics\":" << (split.through_batch_statistics ? "true" : "false")
       << ",\"left_alone\":" << CountsJson(split.left_alone) << ",\"trials\":[";
   for (size_t i = 0; i < split.trials.size(); ++i) {
     const SplitReport::Trial& trial = split.trials[i];
@@ -109,7 +110,9 @@ std::string SplitJson(const SplitReport& split) {
         << ",\"region_ops\":" << trial.region_ops
         << ",\"peak_bytes\":" << JsonList(trial.peak_bytes)
         << ",\"fits\":" << (trial.fits ? "true" : "false")
-        << ",\"added_seconds\":" << absl::StrFormat("%.9g", trial.added_seconds) << "}";
+        << ",\"added_seconds\":" << absl::StrFormat("%.9g", trial.added_seconds)
+        << ",\"through_batch_statistics\":"
+        << (trial.through_batch_statistics ? "true" : "false") << "}";
   }
   out << "],\"note\":" << Quote(split.note) << "}";
   return out.str();
@@ -342,7 +345,11 @@ std::string MemoryReport::Summary() const {
   }
   if (split.applied) {
     absl::StrAppend(&line, ", split ", split.ops.size(), " ops into ", split.slices,
-                    " slices of the batch");
+                    " slices of the batch",
+                    split.through_batch_statistics
+                        ? " through batch statistics (gradients reordered: "
+                          "docs/split.md#batch-statistics)"
+                        : "");
     if (recompute.step_seconds > 0) {
       absl::StrAppend(&line, absl::StrFormat(" (+%.1f%% predicted)",
                                              100.0 * split.added_seconds /

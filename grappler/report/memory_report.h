@@ -150,6 +150,8 @@ struct SplitReport {
   std::map<std::string, int> op_types;     // op type -> how many were split
   int cuts = 0, joins = 0, sums = 0, shape_constants = 0, added_nodes = 0;
   double added_seconds = 0;  // predicted
+  // The split passes through gradients of batch statistics (no other split fit).
+  bool through_batch_statistics = false;
   std::map<std::string, int> left_alone;  // per-sample candidates not split, by reason
   struct Trial {
     int slices = 0;
@@ -157,6 +159,7 @@ struct SplitReport {
     std::vector<int64_t> peak_bytes;  // per device
     bool fits = false;
     double added_seconds = 0;
+    bool through_batch_statistics = false;
   };
   std::vector<Trial> trials;  // what the planner simulated, in order
   std::string note;

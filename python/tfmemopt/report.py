@@ -113,8 +113,10 @@ class Report:
     nothing was planned),
     split (splitting per-sample work along the batch, the planner's fourth choice:
     planned, applied, batch, slices, rows, stages, ops (the split ops), op_types, cuts,
-    joins, sums, added_seconds, left_alone, trials (what the planner simulated: slices,
-    region_ops, peak_bytes per device, fits), note),
+    joins, sums, added_seconds, through_batch_statistics (the split passes through
+    gradients of batch statistics, used only when no other split fits:
+    docs/split.md#batch-statistics), left_alone, trials (what the planner simulated:
+    slices, region_ops, peak_bytes per device, fits, through_batch_statistics), note),
     order_guard (the orders TF's executor may run the rewritten graph in, checked
     against the budget: checked, edges that pin the planned order as [waited for,
     waiting] node names, complete, worst_peak_before_bytes and worst_peak_after_bytes
@@ -440,12 +442,14 @@ class Report:
         if not sp.get("planned"):
             return []
         # Gradients of batch statistics (a mean over the batch spread back over it)
-        # end the regions unless the user allows splitting through them.
+        # end the regions unless no other split fits and split_batch_statistics
+        # (on by default) allows passing through them.
         statistics = sp.get("left_alone", {}).get("batch_statistics", 0)
         statistics_line = (
             [f"    {statistics} op{'' if statistics == 1 else 's'} spreading a gradient of "
-             "batch statistics over the batch left whole: split_batch_statistics=True splits "
-             "through them (docs/split.md#batch-statistics)"] if statistics else [])
+             "batch statistics over the batch left whole (split through them only when no "
+             "other split fits, and split_batch_statistics is not False: "
+             "docs/split.md#batch-statistics)"] if statistics else [])
         if not sp.get("applied"):
             return ([f"  split: nothing split ({sp.get('note') or 'no split helps'})"]
                     + statistics_line)
@@ -462,8 +466,14 @@ class Report:
                  "the slices"]
         types = ", ".join(f"{n} {op}" for op, n in sorted(sp.get("op_types", {}).items()))
         lines.append(f"    split ops: {types}")
+        if sp.get("through_batch_statistics"):
+            lines.append("    through batch statistics: the gradients of the layers below a "
+                         "split normalization are summed in another order (up to about 1e-3 "
+                         "relative in float32; docs/split.md#batch-statistics); "
+                         "split_batch_statistics=False forbids it")
         tried = ", ".join(
             f"{t['slices']}: {format_bytes(max(t['peak_bytes'] or [0]))}"
+            + (" through batch statistics" if t.get("through_batch_statistics") else "")
             + ("" if t["fits"] else " (does not fit)") for t in sp.get("trials", []))
         lines.append(f"    slices tried (predicted peak): {tried}")
         if sp.get("note"):
