@@ -15,7 +15,8 @@ with, after those four, how many of the crashes happened while training without 
 pass (TF itself: the worker reports the phase it is in), the cases that violated
 another property (stateful clone, orphan clone, second pass not idempotent, a 'fits'
 claim above the budget), that fell back, that the generator got wrong, that the
-pass rewrote, and in which it split work along the batch (their first losses are
+pass rewrote, and in which it split work along the batch (split_through_batch_statistics:
+of those, the ones split through a gradient of batch statistics, docs/split.md; their first losses are
 compared bit for bit; the rest, if not bitwise equal, against a float64 run of the same
 model without the pass: each at most generated_graphs.SPLIT_ERROR_FACTOR times as far
 from it as the float32 run without the pass, counting that at least one float32
@@ -86,6 +87,8 @@ def main(argv=None):
             counts["split_cases"] += split_case
             counts["rewritten"] += bool(result.get("rewritten"))
             counts["split"] += bool(result.get("split"))
+            counts["split_through_batch_statistics"] += bool(
+                result.get("split_through_batch_statistics"))
             # TF did not repeat a step of this case (generated_graphs.REPEAT_ERROR_FACTOR).
             counts["tf_not_repeatable"] += "tf_not_repeatable" in result.get("details", {})
             outcome = result["outcome"]
@@ -104,7 +107,8 @@ def main(argv=None):
     summary = {"cases": counts["cases"], "mismatches": counts["mismatches"],
                "invalid_graphs": counts["invalid_graphs"], "crashes": counts["crashes"]}
     for key in ("crashes_without_tfmemopt", "violations", "fallbacks", "generator_errors",
-                "errors", "rewritten", "split_cases", "split", "tf_not_repeatable"):
+                "errors", "rewritten", "split_cases", "split", "split_through_batch_statistics",
+                "tf_not_repeatable"):
         summary[key] = counts[key]
     summary["seconds"] = round(time.time() - start, 1)
     text = ", ".join(f"{k} {v}" for k, v in summary.items())
@@ -113,7 +117,8 @@ def main(argv=None):
         print(json.dumps(summary))
     failed = sum(summary[k] for k in summary
                  if k not in ("cases", "rewritten", "split_cases", "split", "seconds",
-                              "crashes_without_tfmemopt", "tf_not_repeatable"))
+                              "split_through_batch_statistics", "crashes_without_tfmemopt",
+                              "tf_not_repeatable"))
     return 1 if failed else 0
 
 

@@ -913,6 +913,11 @@ def run_case(spec):
     runtime = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")]
     split = any(r.split_ops for r in runtime)
     result["split"] = split
+    # Split through batch statistics (a mean over the batch whose gradient is spread
+    # back over it: batch_center blocks, the loss's mean), used only when no other
+    # split fits.
+    result["split_through_batch_statistics"] = any(
+        r.split_ops and r.split.get("through_batch_statistics") for r in runtime)
     for r in runtime:
         if r.status != "ok":
             fallbacks.append(f"runtime: fallback in stage {r.failed_stage}: {r.message}")
