@@ -111,6 +111,17 @@ def test_a_budget_below_one_ops_working_set_is_met_by_micro_batches(seed_cnn):
     assert f"split: {len(slices)} ops run as {k} micro-batches" in text
 
 
+def test_a_batch_too_small_for_two_aligned_slices_is_named_in_the_note():
+    # Slices start at 64-byte-aligned rows: with the per-sample losses ([batch]
+    # float32), multiples of 16 rows. A batch of 16 has one such slice.
+    step, (x, y) = models.seed_cnn(16)
+    report = tfmemopt.analyze(step, x, y, budget=int(0.3 * peak_before(step, x, y)))
+    assert report.split["planned"] and not report.split["applied"], report.split
+    assert report.split["note"] == (
+        "a batch of 16 cannot be cut into 2 slices that start at multiples of 16 rows "
+        "(64-byte-aligned rows, for bitwise equal per-sample outputs)"), report.split
+
+
 def test_enable_split_false_forbids_splitting(seed_cnn):
     step, x, y, before = seed_cnn
     graph, report = optimize(step, x, y, budget=int(0.3 * before), enable_split=False)

@@ -275,9 +275,11 @@ absl::Status SearchSplits(const GrapplerItem& item, const TensorTable& table,
   std::unique_ptr<Trial> best;
   std::vector<std::string> failures;
   int trials = 0;
+  int64_t unaligned = 0;  // a region's slice unit when the batch has fewer than 2 of them
   for (const std::vector<int>& region : region_sets) {
     int64_t previous_excess = unsplit_excess;
     const int64_t unit = SliceUnit(table, batch, region);
+    if (SliceRows(batch.batch, 2, unit).empty()) unaligned = unit;
     for (int k = 2; k <= planner.max_split_slices && !SliceRows(batch.batch, k, unit).empty() &&
                     trials < kMaxTrials;
          k *= 2) {
@@ -349,8 +351,17 @@ absl::Status SearchSplits(const GrapplerItem& item, const TensorTable& table,
     if (best != nullptr && best->result.fits) break;  // the smaller region suffices
   }
   if (best == nullptr) {
-    out->note = absl::StrCat("no split could be built",
-                             failures.empty() ? "" : absl::StrCat(": ", failures.front()));
+    if (failures.empty() && unaligned > 0) {
+      // Slices start at 64-byte-aligned rows (SliceUnit), so that per-sample
+      // outputs stay bitwise equal.
+      out->note = absl::StrCat("a batch of ", batch.batch,
+                               " cannot be cut into 2 slices that start at multiples of ",
+                               unaligned, " rows (64-byte-aligned rows, for bitwise equal "
+                               "per-sample outputs)");
+    } else {
+      out->note = absl::StrCat("no split could be built",
+                               failures.empty() ? "" : absl::StrCat(": ", failures.front()));
+    }
     return absl::OkStatus();
   }
   if (!best->result.fits && (best->result.excess >= unsplit_excess ||
@@ -415,9 +426,11 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
                        (through.excess < out->excess && through.peak < out->peak));
   if (!better) {
     out->trials.insert(out->trials.end(), through.trials.begin(), through.trials.end());
-    absl::StrAppend(&out->note, out->note.empty() ? "" : "; ",
-                    "through batch statistics: ",
-                    through.applied ? "no split comes closer to fitting" : through.note);
+    const std::string why = through.applied ? "no split comes closer to fitting" : through.note;
+    if (why != out->note) {
+      absl::StrAppend(&out->note, out->note.empty() ? "" : "; ", "through batch statistics: ",
+                      why);
+    }
     return absl::OkStatus();
   }
   through.trials.insert(through.trials.begin(), out->trials.begin(), out->trials.end());
