@@ -204,8 +204,8 @@ def unet_split(record):
 
 def stress(record):
     r = record["result"]
-    keys = ["cases", "rewritten", "split", "mismatches", "invalid_graphs", "crashes",
-            "violations", "fallbacks", "errors", "seconds"]
+    keys = ["cases", "rewritten", "split", "split_through_batch_statistics", "mismatches",
+            "invalid_graphs", "crashes", "violations", "fallbacks", "errors", "seconds"]
     return table(keys, [[num(r.get(k, 0 if k == "errors" else None)) for k in keys]])
 
 
