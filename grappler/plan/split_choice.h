@@ -78,7 +78,7 @@ struct SplitOutcome {
   int64_t excess = 0;    // ... else by how much it misses (SplitTrial::excess)
   int64_t peak = 0;      // ... the worst device's predicted peak
   // The split passes through gradients of batch statistics (MemoryOptimizerOptions::
-  // split_batch_statistics): chosen only when no other split fits, and only if it fits.
+  // split_batch_statistics): chosen only when no other split fits (PlanSplit).
   bool through_batch_statistics = false;
   std::string note;      // why nothing was split, when nothing was
   int64_t batch = 0;
