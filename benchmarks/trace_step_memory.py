@@ -12,7 +12,8 @@ prints
   * kernel scratch memory (allocations of region "temp"), by kernel;
   * kernels whose output allocations differ from the model's replay of the same
     kernel (the pass's replay of the measured step, read from its VLOG(2) log):
-    an output the model allocates but TF forwarded in place, or the reverse.
+    an output the model allocates but TF forwarded in place, or the reverse;
+  * the variables copied before an in-place update (copy-on-write), and their bytes.
 
 With --order FILE it also writes the kernels in the order the executor started
 them (the profiler's host trace at level 3), one node name per line.
@@ -33,6 +34,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 2.0**20
+# Kernels that update a resource variable in place (TF's PrepareToUpdateVariable).
+_UPDATE_OP = re.compile(r"Assign(Add|Sub)?VariableOp$|Resource(Sparse)?Apply|ResourceScatter")
 
 
 def _stats(plane, event):
@@ -213,6 +216,15 @@ def main():
 
     replay = model_replay(log.name, report.num_nodes)
     os.unlink(log.name)
+    # Copy-on-write: a kernel that updates a variable in place first copies it (a
+    # temporary of the variable's size) when a read of its value is still held
+    # (docs/allocator.md#variable-copies).
+    copies = [e for e in events if e["kind"] == "MemoryAllocation"
+              and e.get("region_type") == "temp"
+              and _UPDATE_OP.match(replay.get(e.get("tf_op", ""), ("",))[0])]
+    print(f"variable copies in this step: {len(copies)}, "
+          f"{sum(e['requested_bytes'] for e in copies) / MIB:.1f} MiB requested in "
+          f"{sum(e['allocation_bytes'] for e in copies) / MIB:.1f} MiB of chunks")
     print("kernels whose outputs the model allocates differently (>= 64 KiB):")
     shown = 0
     for node, (op, modelled, _) in replay.items():
