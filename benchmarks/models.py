@@ -391,3 +391,13 @@ RECURRENT_MODELS = {
     "stacked_gru": stacked_gru,
 }
 MODELS.update(RECURRENT_MODELS)  # peak_accuracy.py measures them too
+
+
+def builder(name):
+    """The model function called `name`: a benchmark model of MODELS, or any other
+    model function of this module. Raises ValueError naming what is allowed."""
+    build = MODELS.get(name) or globals().get(name)
+    if not callable(build):
+        raise ValueError(f"model {name!r}; allowed: {', '.join(MODELS)} or a function of "
+                         f"benchmarks/models.py")
+    return build

@@ -3,7 +3,7 @@ step and its peak during it, next to the pass's prediction.
 
 A plan is made once, but the step runs many times, and each run starts from what the
 previous one left in TF's allocator. A step that copies a variable before updating it
-(copy-on-write, docs/allocator.md#variable-updates) leaves the variable in another
+(copy-on-write, docs/allocator.md#variable-copies) leaves the variable in another
 chunk each time, so the bytes in use between steps, and the peaks, move. This script
 shows whether they do.
 
@@ -42,10 +42,10 @@ def main():
     import tfmemopt
     import models
 
-    build = models.MODELS.get(args.model) or getattr(models, args.model, None)
-    if not callable(build):
-        parser.error(f"model {args.model!r}; allowed: {', '.join(models.MODELS)} or a "
-                     f"function of benchmarks/models.py")
+    try:
+        build = models.builder(args.model)
+    except ValueError as err:
+        parser.error(str(err))
     if not args.off:
         tfmemopt.enable(log_level=1)
     step, step_args = build(**({"batch": args.batch} if args.batch else {}))

@@ -139,13 +139,12 @@ def main():
             tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
         import tfmemopt
         import models
-        from models import MODELS
 
-        # The benchmarks' models, and any other model function of models.py.
-        build = MODELS.get(args.model) or getattr(models, args.model, None)
-        if not callable(build):
-            parser.error(f"model {args.model!r}; allowed: {', '.join(MODELS)} or a "
-                         f"function of benchmarks/models.py")
+        try:
+            build = models.builder(args.model)
+        except ValueError as err:
+            os.dup2(saved_stderr, 2)  # the message is the user's, not the log's
+            parser.error(str(err))
         tf.keras.utils.set_random_seed(0)
         if args.budget:
             tfmemopt.enable(budget=args.budget, log_level=0)
