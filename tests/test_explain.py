@@ -91,6 +91,61 @@ elif CASE == "interactive_session":
     tf.compat.v1.disable_eager_execution()
     tf.compat.v1.InteractiveSession(config=tfmemopt.config_proto("1GiB")).close()
     tf.compat.v1.InteractiveSession(config=tfmemopt.config_proto("1GiB")).close()
+elif CASE == "nested_xla":
+    # What Keras fit does with compile(jit_compile=True): a plain tf.function calls
+    # the XLA-compiled step.
+    w = tf.Variable(tf.ones([64, 64]) * 0.01)
+    @tf.function(jit_compile=True)
+    def xla_step(x):
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(tf.tanh(x @ w))
+        w.assign_sub(0.01 * t.gradient(loss, w))
+        return loss
+    @tf.function
+    def outer(x):
+        return xla_step(x) + 1.0
+    for _ in range(3):
+        outer(tf.ones([32, 64]))
+    callee = xla_step.get_concrete_function(tf.ones([32, 64])).function_def.signature.name
+    caller = outer.get_concrete_function(tf.ones([32, 64])).function_def.signature.name
+    explanation = tfmemopt.explain()
+    (graph,) = [g for g in explanation.graphs if g["graph_id"] == caller]
+    print("CALLEE", callee)
+    print("XLA_CALLS", graph["xla_calls"] == [callee])
+    print("REASON", explanation.not_seen.get(callee))
+    print("TEXT", [line for line in str(explanation).splitlines() if caller + ":" in line])
+elif CASE == "session_without_pass":
+    tf.compat.v1.disable_eager_execution()
+    user = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+    tf.compat.v1.Session(config=user).close()
+    tf.compat.v1.Session().close()
+    print("WITHOUT", tfmemopt.explain().sessions_without_pass)
+    tf.compat.v1.Session(config=tfmemopt.config_proto("1GiB", base=user)).close()
+    print("WITH", tfmemopt.explain().sessions_without_pass)
+    print("TEXT", str(tfmemopt.explain()).splitlines()[-1])
+elif CASE == "session_not_enabled":
+    tfmemopt.disable()
+    tf.compat.v1.disable_eager_execution()
+    tf.compat.v1.Session().close()
+elif CASE == "meta_optimizer_off_base":
+    base = tf.compat.v1.ConfigProto()
+    base.graph_options.rewrite_options.disable_meta_optimizer = True
+    config = tfmemopt.config_proto("1GiB", base=base)
+    print("KEPT", config.graph_options.rewrite_options.disable_meta_optimizer)
+elif CASE == "min_graph_nodes_raised":
+    tf.config.optimizer.set_experimental_options({{"min_graph_nodes": 1000}})
+    w = tf.Variable(tf.ones([8, 8]))
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(tf.tanh(x @ w))
+        return t.gradient(loss, w)
+    @tf.function
+    def helper(x):
+        return tf.reduce_sum(tf.tanh(x @ w)) * 2.0
+    for _ in range(3):
+        step(tf.ones([8, 8])), helper(tf.ones([8, 8]))
+    print("REPORTS", len(tfmemopt.reports()))
 elif CASE == "pruned_base":
     base = tf.compat.v1.ConfigProto()
     base.graph_options.place_pruned_graph = True
@@ -170,3 +225,51 @@ def test_interactive_session_is_told_once():
 def test_config_proto_warns_when_its_base_prunes_the_graph():
     err, _ = _stderr_and_stdout("pruned_base")
     assert "base sets graph_options.place_pruned_graph=True" in err, err[-2000:]
+
+
+def test_an_xla_function_called_from_a_graph_function_is_told_once_and_not_called_fitting():
+    err, out = _stderr_and_stdout("nested_xla")
+    callee = out.split("CALLEE ")[1].split()[0]
+    warnings = [line for line in err.splitlines() if "is compiled with XLA" in line]
+    assert len(warnings) == 1, err[-2000:]
+    # It names the function XLA compiles and how to turn XLA off, for tf.function
+    # and for Keras.
+    assert callee in warnings[0]
+    assert "tf.function(..., jit_compile=False)" in warnings[0]
+    assert "model.compile(..., jit_compile=False)" in warnings[0]
+    assert "XLA_CALLS True" in out, out
+    assert "REASON compiled with XLA (jit_compile=True), which bypasses Grappler; called from" \
+        in out, out
+    text = out.split("TEXT ")[1]
+    assert "fits" not in text.replace("whether it fits", ""), text
+    assert "not planned" in text, text
+
+
+def test_a_session_whose_config_lacks_the_pass_is_told_once_under_enable():
+    err, out = _stderr_and_stdout("session_without_pass")
+    warnings = [line for line in err.splitlines() if "will not optimize this Session" in line]
+    assert len(warnings) == 1, err[-2000:]
+    assert "tf.compat.v1.Session(config=tfmemopt.config_proto(" in warnings[0]
+    assert "WITHOUT 2" in out and "WITH 2" in out, out  # config_proto's Session is not counted
+    assert "Sessions not optimized (their config lacks the pass): 2" in out, out
+
+
+def test_a_session_without_enable_is_not_told():
+    err, _ = _stderr_and_stdout("session_not_enabled")
+    assert "tfmemopt:" not in err, err[-2000:]
+
+
+def test_config_proto_warns_when_its_base_switches_grappler_off():
+    err, out = _stderr_and_stdout("meta_optimizer_off_base")
+    assert err.count("base sets graph_options.rewrite_options.disable_meta_optimizer=True") \
+        == 1, err[-2000:]
+    assert "KEPT True" in out  # the user's setting is kept, as documented, but told
+
+
+def test_a_training_step_below_a_raised_min_graph_nodes_is_a_warning_helpers_are_not():
+    err, out = _stderr_and_stdout("min_graph_nodes_raised")
+    warnings = [line for line in err.splitlines() if "looks like a training step" in line]
+    assert len(warnings) == 1 and "__inference_step_" in warnings[0], err[-2000:]
+    assert "below Grappler's min_graph_nodes (1000)" in warnings[0]
+    assert "__inference_helper_" not in err, err[-2000:]
+    assert "REPORTS 0" in out

@@ -245,6 +245,9 @@ def rewriter_config(budget=None, base=None, **fields):
     result = rewriter_config_pb2.RewriterConfig()
     if base is not None:
         result.CopyFrom(base)
+        from tfmemopt.explanation import warn_if_meta_optimizer_off
+
+        warn_if_meta_optimizer_off(base)
     return with_entry(result, custom_optimizer_entry(make_config(budget, **fields)))
 
 
@@ -264,7 +267,9 @@ def config_proto(budget=None, base=None, **fields):
 
         warn_if_pruned(base)
     rewrite = result.graph_options.rewrite_options
-    rewrite.CopyFrom(rewriter_config(budget, base=rewrite, **fields))
+    # The base's own checks (above) named its field as a ConfigProto's; building
+    # from a fresh RewriterConfig keeps rewriter_config from telling it again.
+    with_entry(rewrite, custom_optimizer_entry(make_config(budget, **fields)))
     return result
 
 
