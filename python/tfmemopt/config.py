@@ -57,6 +57,11 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 def parse_size(text, field="budget"):
     """'6GiB' -> 6442450944, '512MB' -> 512000000, '1024' -> 1024 (bytes)."""
     match = _SIZE_RE.match(text)
+    negative = _SIZE_RE.match(text.strip()[1:]) if text.strip().startswith("-") else None
+    if negative and negative.group(2).upper() in _UNITS:
+        # A size with a minus sign is a size, just not an allowed one: say that.
+        raise ValueError(f"tfmemopt: {field}={text!r} must be more than 0 bytes; allowed: "
+                         f"a positive size such as '6GiB' or '512MB'")
     unit = match.group(2).upper() if match else None
     if not match or unit not in _UNITS:
         raise ValueError(
