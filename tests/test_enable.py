@@ -211,13 +211,30 @@ def test_keras_fit_gets_a_report():
     x, y = mlp_batch(batch=4 * BATCH)
     tfmemopt.enable("1GiB", assume_batch_size=BATCH)
     model.fit(x.numpy(), y.numpy(), batch_size=BATCH, epochs=1, verbose=0)
-    train = [r for r in tfmemopt.reports() if "step_on_iterator" in r.graph_id]
+    # Under enable() fit runs the feedback loop's one-batch step (fit_retries).
+    train = [r for r in tfmemopt.reports() if "one_step_on_data" in r.graph_id]
     assert train, [r.graph_id for r in tfmemopt.reports()]
     report = train[-1]
     assert report.status == "ok"
     # Keras weights plus Adam's two slots per weight are persistent.
     weights = (FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES) * 4
     assert report.persistent_bytes["CPU:0"] >= 3 * weights
+
+
+def test_keras_fit_with_fit_retries_0_plans_keras_own_step():
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((FEATURES,)), tf.keras.layers.Dense(CLASSES)])
+    model.compile(optimizer="adam",
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = mlp_batch(batch=4 * BATCH)
+    tfmemopt.clear_reports()
+    tfmemopt.enable("1GiB", assume_batch_size=BATCH, fit_retries=0)
+    callbacks = []
+    model.fit(x.numpy(), y.numpy(), batch_size=BATCH, epochs=1, verbose=0, callbacks=callbacks)
+    ids = [r.graph_id for r in tfmemopt.reports()]
+    assert any("multi_step_on_iterator" in i for i in ids), ids
+    assert not any("one_step_on_data" in i for i in ids), ids
+    assert callbacks == []  # the user's list is never changed
 
 
 def test_forced_internal_failure_returns_the_original_graph(capfd):

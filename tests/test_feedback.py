@@ -198,6 +198,11 @@ rng = np.random.default_rng(0)
 x = rng.standard_normal((3 * 1024, 256)).astype(np.float32)
 y = rng.standard_normal((3 * 1024, 1)).astype(np.float32)
 callbacks = []
+if mode == "enable":
+    # The one line, no callback: fit gets the same loop (enable's fit_retries).
+    hog = tf.fill([int(sys.argv[3]) << 18], 1.0)
+    tfmemopt.enable(budget=int(sys.argv[2]), enable_split=False, log_level=0,
+                    fit_retries=int(sys.argv[4]))
 if mode == "retry":
     hog = tf.fill([int(sys.argv[3]) << 18], 1.0)  # HOG_MB MiB held for the whole run
     callback = MemoryOptimizer(budget=int(sys.argv[2]), enable_split=False, log_level=0,
@@ -211,6 +216,11 @@ out = {"losses": [float(l).hex() for l in history.history["loss"]],
 if mode == "retry":
     out.update(retries=callback.retries_done,
                measured=callback.report.measured_peak_bytes if callback.report else None)
+if mode == "enable":
+    out.update(graphs=[r.graph_id for r in tfmemopt.reports()],
+               measured=[r.measured_peak_bytes for r in tfmemopt.reports()],
+               fit_retries_after=tfmemopt._fit_retries,
+               enabled_after=tfmemopt.enabled_config() is not None)
 print("RESULT " + json.dumps(out))
 '''
 
@@ -228,6 +238,41 @@ def test_keras_fit_retries_the_batch_and_equals_an_uncapped_fit():
     assert retried["losses"] == plain["losses"]
     assert retried["weights"] == plain["weights"]
     assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
+
+
+def test_keras_fit_under_enable_alone_retries_the_batch_and_equals_an_uncapped_fit():
+    """tfmemopt.enable() and a plain fit, no callback: the batch that runs out of
+    memory is re-planned and retried as with the MemoryOptimizer callback, the losses
+    and weights are the uncapped run's, and enable()'s state is as it was after fit."""
+    no_onednn = {"TF_ENABLE_ONEDNN_OPTS": "0"}  # see the test above
+    plain, _ = _result(run_python(_KERAS, "plain", env={**_capped(1024), **no_onednn}))
+    retried, log = _result(run_python(_KERAS, "enable", FIRST_BUDGET, HOG_MB, RETRIES,
+                                      env={**_capped(CAP_MB), **no_onednn}))
+    assert log.count("retrying the batch (retry") >= 1, log[-3000:]
+    assert retried["losses"] == plain["losses"]
+    assert retried["weights"] == plain["weights"]
+    assert any("one_step_on_data" in g for g in retried["graphs"]), retried["graphs"]
+    assert any(m for m in retried["measured"]), retried["measured"]
+    assert retried["enabled_after"] and retried["fit_retries_after"] == RETRIES
+
+
+def test_keras_fit_under_enable_with_fit_retries_0_runs_as_keras_runs_it():
+    """fit_retries=0: the pass plans Keras's own train step (the iterator read in the
+    graph) and nothing is retried: the first plan runs out of memory as it would."""
+    no_onednn = {"TF_ENABLE_ONEDNN_OPTS": "0"}
+    proc = run_python(_KERAS, "enable", FIRST_BUDGET, HOG_MB, 0,
+                      env={**_capped(CAP_MB), **no_onednn})
+    assert proc.returncode != 0
+    assert "ResourceExhaustedError" in proc.stderr or "OOM" in proc.stderr, proc.stderr[-3000:]
+    assert "retrying the batch" not in proc.stderr
+
+
+def test_enable_rejects_a_bad_fit_retries():
+    before = tfmemopt.enabled_config()
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=r"fit_retries=.*allowed: an int >= 0"):
+            tfmemopt.enable(fit_retries=bad)
+    assert tfmemopt.enabled_config() is before  # nothing changed
 
 
 def test_the_failed_allocation_is_read_from_tfs_error():

@@ -369,9 +369,11 @@ def bilstm_fit(record):
     rows = {}
     for t in r.get("results", []):
         row = rows.setdefault((t["batch"], t["mode"]), {"said": set(), "trained": 0, "n": 0,
-                                                        "bitwise": set(), "peak": 0})
+                                                        "bitwise": set(), "peak": 0,
+                                                        "retried": 0})
         row["n"] += 1
         row["trained"] += t["outcome"] == "trained"
+        row["retried"] += t["outcome"] == "trained" and bool(t.get("retries"))
         row["peak"] = max(row["peak"], t.get("peak_bytes") or 0)
         if "fits" in t:
             row["said"].add(f"{'fits' if t['fits'] else 'does not fit'} "
@@ -380,8 +382,11 @@ def bilstm_fit(record):
             row["bitwise"].add("yes" if t["bitwise_equal_uncapped"] else "NO")
     out = []
     for (batch, mode), row in sorted(rows.items()):
+        trained = f"{row['trained']} of {row['n']}"
+        if row["retried"]:
+            trained += f" ({row['retried']} after a retry)"
         out.append([str(batch), mode, ", ".join(sorted(row["said"])) or "—",
-                    f"{row['trained']} of {row['n']}", mib(row["peak"]),
+                    trained, mib(row["peak"]),
                     ", ".join(sorted(row["bitwise"])) or "—"])
     return table(["batch", "mode", "the last plan said", "trained", "highest peak",
                   "losses equal uncapped"], out)

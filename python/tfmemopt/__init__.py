@@ -6,7 +6,8 @@ One line enables it for everything traced afterwards:
     tfmemopt.enable(budget="6GiB")      # or a fraction of device memory, e.g. 0.8
 
 For v1 Sessions: tf.compat.v1.Session(config=tfmemopt.config_proto(budget="6GiB")).
-For Keras: model.fit(..., callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")]).
+Keras `fit` under enable() retries a batch that runs out of memory (fit_retries); for a
+fit of its own budget: model.fit(..., callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")]).
 """
 
 import json as _json
@@ -16,7 +17,7 @@ from tfmemopt._loader import load_extension as _load_extension
 
 _ext = _load_extension()
 
-from tfmemopt import _eager_context  # noqa: E402
+from tfmemopt import _eager_context, _keras_hook  # noqa: E402
 from tfmemopt.config import (  # noqa: E402
     PASS_NAME,
     MemoryOptimizerConfig,
@@ -40,9 +41,10 @@ __version__ = "0.1.0"
 
 _lock = _threading.Lock()
 _enabled = None  # the MemoryOptimizerConfig in force, or None
+_fit_retries = 0  # enable()'s fit_retries
 
 
-def enable(budget=None, **fields):
+def enable(budget=None, *, fit_retries=3, **fields):
     """Runs TfMemOpt on every tf.function, Keras fit and distribute graph traced
     afterwards, in any thread.
 
@@ -50,15 +52,35 @@ def enable(budget=None, **fields):
     memory in (0, 1]; default: budget_fraction=0.9. Other keywords are fields of
     tfmemopt.MemoryOptimizerConfig (see README). Invalid arguments raise
     ValueError/TypeError before anything changes. Returns the config in force.
+
+    fit_retries: every Keras `fit` called while enabled gets a
+    tfmemopt.keras.MemoryOptimizer with this config and this many retries: a batch
+    that runs out of memory is re-planned under a lower budget and retried, and the
+    first steps of each plan are measured (docs/usage.md#keras-fit). 0 leaves `fit`
+    as Keras runs it (the pass still plans its step). A fit that has its own
+    MemoryOptimizer keeps it.
     """
-    global _enabled
+    global _enabled, _fit_retries
+    if isinstance(fit_retries, bool) or not isinstance(fit_retries, int) or fit_retries < 0:
+        raise ValueError(f"tfmemopt.enable: fit_retries={fit_retries!r}; allowed: an int >= 0")
     config = make_config(budget, **fields)
     entry = custom_optimizer_entry(config)
     with _lock:
         _eager_context.set_config_edit(
             PASS_NAME, lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
         _enabled = config
+        _fit_retries = fit_retries
+    _keras_hook.watch_fit(_fit_callbacks)
     return config
+
+
+def _fit_callbacks(model, callbacks):
+    """_keras_hook's provider: what a Keras fit gets under enable()."""
+    if _enabled is None or _fit_retries <= 0:
+        return None
+    from tfmemopt import keras as tfmemopt_keras
+
+    return tfmemopt_keras.enabled_fit_callbacks(model, callbacks, _fit_retries)
 
 
 def disable():

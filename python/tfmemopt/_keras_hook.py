@@ -1,5 +1,5 @@
 """The one place that touches Keras' private trainer: telling when a Keras model will
-run its steps eagerly.
+run its steps eagerly, and giving `fit` the callbacks tfmemopt.enable() asks for.
 
 `model.compile(run_eagerly=True)` makes Keras run `train_step` (and test and predict)
 as plain Python: no tf.function, so no graph, so Grappler and tfmemopt never see the
@@ -14,6 +14,7 @@ imported, so it is patched at `watch()`; without Keras there is nothing to watch
 """
 
 import functools
+import inspect
 import sys
 
 TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
@@ -53,3 +54,44 @@ def watch(observer):
     module = sys.modules.get(TRAINER_MODULE)
     if module is not None:
         _patch(module)
+
+
+# fit_callbacks(model, callbacks) -> callbacks to add to this fit, or None: set by
+# tfmemopt.enable() (tfmemopt.keras.enabled_fit_callbacks), so that a `fit` under
+# enable() gets the runtime feedback loop of tfmemopt.keras.MemoryOptimizer.
+_fit_callbacks = None
+
+
+def _fit_observed(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        provider = _fit_callbacks
+        if provider is not None:
+            try:
+                bound = signature.bind(self, *args, **kwargs)
+                callbacks = bound.arguments.get("callbacks")
+                extra = provider(self, callbacks)
+                if extra:
+                    bound.arguments["callbacks"] = list(callbacks or []) + list(extra)
+                    args, kwargs = bound.args[1:], bound.kwargs
+            except Exception:  # noqa: BLE001 - fit runs as the user wrote it
+                pass
+        return original(self, *args, **kwargs)
+
+    fit._tfmemopt_observed = True
+    return fit
+
+
+def watch_fit(provider):
+    """Calls provider(model, callbacks) at the start of every Keras `fit` (TensorFlow
+    backend) and adds the callbacks it returns to that fit (None stops)."""
+    global _fit_callbacks
+    _fit_callbacks = provider
+    module = sys.modules.get(TRAINER_MODULE)
+    trainer = getattr(module, "TensorFlowTrainer", None) if module is not None else None
+    original = getattr(trainer, "fit", None)
+    if original is None or getattr(original, "_tfmemopt_observed", False):
+        return
+    trainer.fit = _fit_observed(original)

@@ -158,7 +158,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self.report, self.reports = None, []
         bypass = self._grappler_bypass()
         if bypass:
-            if not self._warned:
+            # Added by enable(): tfmemopt.explanation already tells the user about XLA
+            # and run_eagerly for every graph, once.
+            if not self._warned and not getattr(self, "_added_by_enable", False):
                 _logger().warning(
                     "tfmemopt: %s bypasses Grappler, so tfmemopt cannot act on this "
                     "model's train step; compile(..., %s) to use it.", *bypass)
@@ -237,7 +239,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
             budget = self.budget_bytes
             for name in ("budget_bytes", "budget_fraction"):
                 fields.pop(name, None)
-        tfmemopt.enable(budget, **fields)
+        # enable()'s fit_retries as they are: this callback is the fit's loop.
+        tfmemopt.enable(budget, fit_retries=tfmemopt._fit_retries, **fields)
 
     def _guarded_step(self, iterator):
         """Runs one train step on batches read beforehand, so that a step that runs
@@ -385,10 +388,28 @@ class MemoryOptimizer(keras.callbacks.Callback):
         if self._previous is None:
             tfmemopt.disable()
         else:
-            tfmemopt.enable(**_fields_of(self._previous))
+            tfmemopt.enable(fit_retries=tfmemopt._fit_retries, **_fields_of(self._previous))
 
 
 def _fields_of(config):
     """The fields set in a MemoryOptimizerConfig, as keywords of tfmemopt.enable."""
     return {field.name: list(value) if _is_repeated(field) else value
             for field, value in config.ListFields()}
+
+
+def enabled_fit_callbacks(model, callbacks, retries):
+    """The callbacks a Keras `fit` gets under tfmemopt.enable(): a MemoryOptimizer with
+    enable()'s config and `retries` (tfmemopt.enable's fit_retries), so that the step
+    that runs out of memory is re-planned and retried there too. None when the fit
+    already has a MemoryOptimizer (its own settings win) or when Keras's callbacks
+    are given as a CallbackList (which this cannot extend without building it)."""
+    config = tfmemopt.enabled_config()
+    if config is None or retries <= 0:
+        return None
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return None
+    if any(isinstance(c, MemoryOptimizer) for c in callbacks or []):
+        return None
+    callback = MemoryOptimizer(print_report=False, retries=retries, **_fields_of(config))
+    callback._added_by_enable = True
+    return [callback]
