@@ -151,6 +151,10 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._test_graphs = set()
         self._test_begin = set()
         self._step = self._wrapper = None
+        # The train function and graphs of the last fit, kept by a callback that
+        # enable() gives a model's fits (enabled_fit_callbacks) for the next one.
+        self._kept_step = None
+        self._kept_graphs = set()
 
     # --- fit hooks ---
 
@@ -187,9 +191,16 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._enable()
         self._active = True
         self._build_optimizer()
-        # A fresh trace, so that this fit's step gets optimized and reported even if
-        # an earlier fit instantiated it under the same config.
-        self.model.make_train_function(force=True)
+        if self._kept_step is not None and self.model.train_function is self._kept_step:
+            # The callback enable() gave the model's last fit, and that fit's train
+            # function under the same config (enabled_fit_callbacks): TF runs the graph
+            # it planned then, with no new trace, plan or report, so its reports count
+            # as this fit's. A fit per epoch re-plans nothing.
+            self._before -= self._kept_graphs
+        else:
+            # A fresh trace, so that this fit's step gets optimized and reported even
+            # if an earlier fit instantiated it under the same config.
+            self.model.make_train_function(force=True)
         # Wrapped only to restore the state when a step fails: fit has no hook for that.
         self._step = self.model.train_function
 
@@ -384,6 +395,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._active = False
         if self.model.train_function is self._wrapper:
             self.model.train_function = self._step
+        if getattr(self, "_added_by_enable", False):
+            self._kept_step = self._step
+            self._kept_graphs = {r.graph_id for r in self._my_reports()}
         self._step = self._wrapper = None
         if self._previous is None:
             tfmemopt.disable()
@@ -410,6 +424,25 @@ def enabled_fit_callbacks(model, callbacks, retries):
         return None
     if any(isinstance(c, MemoryOptimizer) for c in callbacks or []):
         return None
+    # One callback per model and config, kept for the model's next fits: its lowered
+    # budget and calibrations carry over, and so does its plan (the train function it
+    # leaves behind is reused when the model still has it).
+    # Kept on the model (the callback refers to the model, so a table keyed by models
+    # would keep them alive), past Keras's attribute tracking: it is no part of the
+    # model's state, and neither saving nor checkpoints see it.
+    key = (config.SerializeToString(deterministic=True), retries)
+    kept = getattr(model, _KEPT_ATTR, None)
+    if kept is not None and kept[0] == key:
+        return [kept[1]]
     callback = MemoryOptimizer(print_report=False, retries=retries, **_fields_of(config))
     callback._added_by_enable = True
+    try:
+        object.__setattr__(model, _KEPT_ATTR, (key, callback))
+    except (AttributeError, TypeError):  # a model without an instance dict: one per fit
+        pass
     return [callback]
+
+
+# The attribute of a model that holds (config key, the MemoryOptimizer enable() gave
+# its fits).
+_KEPT_ATTR = "_tfmemopt_enabled_fit_callback"
