@@ -233,7 +233,10 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self.reports = self._my_reports()
         self.report = self.reports[-1] if self.reports else None
         if self.report is None:
-            _logger().warning("tfmemopt: no report for the train step of this fit")
+            # Under enable() alone, tfmemopt.explanation tells why a graph was not
+            # planned (once, as it happens).
+            if not getattr(self, "_added_by_enable", False):
+                _logger().warning("tfmemopt: no report for the train step of this fit")
             return
         if self.print_report:
             _logger().info("%s", self.report.to_text())
