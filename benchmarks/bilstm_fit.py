@@ -40,7 +40,7 @@ retries = []
 import logging
 class _Retries(logging.Handler):
     def emit(self, record):
-        if "retrying the batch" in record.getMessage():
+        if "retrying the batch (retry" in record.getMessage():  # not "not retrying"
             retries.append(record.getMessage())
 import numpy as np
 import tensorflow as tf

@@ -42,6 +42,15 @@ DEFAULT_STEP = 0.05  # of the budget, when TF does not say what it could not all
 # guarded steps): the budget's default headroom (0.9 of the device) covers it.
 CALIBRATION_TOLERANCE = 0.01
 
+# The calls guarded after each (re)plan: the steps the pass's allocator model replays
+# to find the peak (SimulationOptions in simulate/liveness_simulator.h: 2 warm-up
+# steps while BFC's regions grow, then 5 measured ones, over which the peak still
+# moves as variable copies land in other chunks). An out-of-memory error is to be
+# expected until then: the bidirectional LSTM of benchmarks/bilstm_fit.py, fit under
+# enable() at batch 128 (256 MiB), ran out of memory in its third step, past two guarded
+# ones, in 2 of 11 processes, and in its first two (retried, trained) in 4 more.
+DEFAULT_GUARD_STEPS = 7
+
 
 def measured_peak(graph_id):
     """{device: bytes} recorded for graph `graph_id`, or None."""

@@ -121,7 +121,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
     """
 
     def __init__(self, budget=None, plot_to=None, print_report=True, retries=3,
-                 guard_steps=2, **fields):
+                 guard_steps=feedback.DEFAULT_GUARD_STEPS, **fields):
         super().__init__()
         tfmemopt.make_config(budget, **fields)  # the errors of tfmemopt.enable, now
         if not isinstance(retries, int) or retries < 0:

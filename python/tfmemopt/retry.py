@@ -46,7 +46,8 @@ def _fields_of(config):
 class Function:
     """A tf.function that re-plans and retries a step that runs out of memory."""
 
-    def __init__(self, python_function, retries=3, guard_steps=2, *, _binding=None,
+    def __init__(self, python_function, retries=3,
+                 guard_steps=feedback.DEFAULT_GUARD_STEPS, *, _binding=None,
                  **tf_function_kwargs):
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"tfmemopt.function: retries={retries!r}; allowed: an int >= 0")
@@ -204,7 +205,8 @@ class _NullContext:
         return False
 
 
-def function(func=None, *, retries=3, guard_steps=2, **tf_function_kwargs):
+def function(func=None, *, retries=3, guard_steps=feedback.DEFAULT_GUARD_STEPS,
+             **tf_function_kwargs):
     """tf.function with tfmemopt's feedback loop (see the module docstring).
 
     Use as @tfmemopt.function, @tfmemopt.function(retries=2, input_signature=...), or
