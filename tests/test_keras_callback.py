@@ -283,3 +283,24 @@ def test_run_eagerly_warns_too(caplog):
     fit(model, [callback], epochs=1)
     assert "run_eagerly=True (no graph is built) bypasses Grappler" in caplog.text
     assert callback.report is None
+
+
+def unbuilt_mlp():
+    """The MLP as a Sequential without an Input: Keras builds it, and its optimizer,
+    in the first step of fit, after the callbacks' on_train_begin."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Dense(WIDTH, activation="relu") for _ in range(2)]
+                             + [keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    return model
+
+
+@pytest.mark.parametrize("how", ["callback", "enable"])
+def test_a_model_built_in_its_first_step_trains_as_without_tfmemopt(how):
+    plain = fit(unbuilt_mlp(), epochs=2)
+    if how == "enable":
+        tfmemopt.enable("1GiB", log_level=0)
+        optimized = fit(unbuilt_mlp(), epochs=2)
+    else:
+        optimized = fit(unbuilt_mlp(), [MemoryOptimizer("1GiB", log_level=0)], epochs=2)
+    assert optimized == plain

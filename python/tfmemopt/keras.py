@@ -341,9 +341,17 @@ class MemoryOptimizer(keras.callbacks.Callback):
         first attempt's updates of them (Adam's moments, its iteration count) would
         survive into the retry."""
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and hasattr(optimizer, "build") and not getattr(
+        if optimizer is None or not hasattr(optimizer, "build") or getattr(
                 optimizer, "built", True):
-            optimizer.build(self.model.trainable_variables)
+            return
+        # A model Keras has not built yet (a Sequential without an Input) has no
+        # variables before its first step: an optimizer built now would know none of
+        # them and refuse the step's gradients. Keras builds both in that step; a
+        # failed first attempt then warns about the variables it created.
+        variables = self.model.trainable_variables
+        if not getattr(self.model, "built", True) or not variables:
+            return
+        optimizer.build(variables)
 
     def _step_variables(self):
         model = self.model
