@@ -221,15 +221,24 @@ def test_keras_fit_gets_a_report():
     assert report.persistent_bytes["CPU:0"] >= 3 * weights
 
 
+def compile_linear(model):
+    model.compile(optimizer="adam",
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def compiled_linear_model():
+    """One Dense layer from FEATURES to CLASSES logits, compiled with Adam."""
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((FEATURES,)), tf.keras.layers.Dense(CLASSES)])
+    compile_linear(model)
+    return model
+
+
 def test_keras_fits_under_enable_plan_the_step_once_until_the_model_is_compiled_again():
     """A fit per epoch must not re-trace and re-plan the step each time: the second and
     third fits run the graph the first planned, and compile() (a new train function)
     gets a new plan."""
-    tf.keras.utils.set_random_seed(0)
-    model = tf.keras.Sequential([tf.keras.Input((FEATURES,)), tf.keras.layers.Dense(CLASSES)])
-    model.compile(optimizer="adam",
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = mlp_batch(batch=4 * BATCH)
+    model, (x, y) = compiled_linear_model(), mlp_batch(batch=4 * BATCH)
     tfmemopt.clear_reports()
     tfmemopt.enable("1GiB")
 
@@ -239,18 +248,13 @@ def test_keras_fits_under_enable_plan_the_step_once_until_the_model_is_compiled_
     for _ in range(3):
         model.fit(x.numpy(), y.numpy(), batch_size=BATCH, epochs=1, verbose=0)
     assert len(train_graphs()) == 1, train_graphs()
-    model.compile(optimizer="adam",
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    compile_linear(model)
     model.fit(x.numpy(), y.numpy(), batch_size=BATCH, epochs=1, verbose=0)
     assert len(train_graphs()) == 2, train_graphs()
 
 
 def test_keras_fit_with_fit_retries_0_plans_keras_own_step():
-    tf.keras.utils.set_random_seed(0)
-    model = tf.keras.Sequential([tf.keras.Input((FEATURES,)), tf.keras.layers.Dense(CLASSES)])
-    model.compile(optimizer="adam",
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = mlp_batch(batch=4 * BATCH)
+    model, (x, y) = compiled_linear_model(), mlp_batch(batch=4 * BATCH)
     tfmemopt.clear_reports()
     tfmemopt.enable("1GiB", assume_batch_size=BATCH, fit_retries=0)
     callbacks = []
