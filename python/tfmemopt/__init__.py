@@ -56,7 +56,7 @@ def enable(budget=None, *, fit_retries=3, **fields):
     fit_retries: every Keras `fit` called while enabled gets a
     tfmemopt.keras.MemoryOptimizer with this config and this many retries: a batch
     that runs out of memory is re-planned under a lower budget and retried, and the
-    first steps of each plan are measured (docs/usage.md#keras-fit). 0 leaves `fit`
+    first steps of each plan are measured (docs/usage.md#keras). 0 leaves `fit`
     as Keras runs it (the pass still plans its step). A fit that has its own
     MemoryOptimizer keeps it.
     """
