@@ -132,7 +132,13 @@ def test_a_generator_gives_no_batch_size_and_a_warning(caplog):
     callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
     mlp().fit(batches(), epochs=1, verbose=0, callbacks=[callback])
     assert "the batch size of this fit is unknown" in caplog.text
+    assert "Pass MemoryOptimizer(assume_batch_size=N)" in caplog.text
     assert callback.report.to_dict()["assume_batch_size"] == 0
+    # Under enable() alone the warning names the call the user wrote.
+    caplog.clear()
+    tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0)
+    mlp().fit(batches(), epochs=1, verbose=0)
+    assert "Pass tfmemopt.enable(..., assume_batch_size=N)" in caplog.text
 
 
 def test_the_batch_dimension_of_the_keras_step_is_resolved():

@@ -177,10 +177,12 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 fields["assume_batch_size"] = batch
                 _logger().info("tfmemopt: assume_batch_size=%d, the batch size of this fit", batch)
             else:
+                where = ("tfmemopt.enable(..., assume_batch_size=N)"
+                         if getattr(self, "_added_by_enable", False)
+                         else "MemoryOptimizer(assume_batch_size=N)")
                 _logger().warning(
                     "tfmemopt: the batch size of this fit is unknown (a generator or "
-                    "PyDataset); unknown batch dimensions count as 1. Pass "
-                    "MemoryOptimizer(assume_batch_size=N).")
+                    "PyDataset); unknown batch dimensions count as 1. Pass %s.", where)
         self._previous = tfmemopt.enabled_config()
         self._before = {r.graph_id for r in tfmemopt.reports()}
         self._test_graphs = set()
