@@ -7,6 +7,7 @@
 #include "tensorflow/core/grappler/costs/op_context.h"
 #include "tensorflow/core/grappler/costs/op_level_cost_estimator.h"
 #include "tensorflow/core/grappler/costs/utils.h"
+#include "tensorflow/core/grappler/utils.h"
 
 namespace tfmemopt {
 
@@ -36,15 +37,6 @@ class QuietEstimator : public OpLevelCostEstimator {
   }
 };
 
-// The number of data (non-control) inputs of `def`.
-int DataInputs(const NodeDef& def) {
-  int count = 0;
-  for (const std::string& input : def.input()) {
-    if (input.empty() || input[0] != '^') ++count;  // "^name" is a control input
-  }
-  return count;
-}
-
 }  // namespace
 
 void EstimateComputeSeconds(const GraphProperties& properties, TensorTable* table) {
@@ -70,7 +62,7 @@ void EstimateComputeSeconds(const GraphProperties& properties, TensorTable* tabl
     const auto& inputs = properties.HasInputProperties(def.name())
                              ? properties.GetInputProperties(def.name())
                              : no_inputs;
-    if (static_cast<int>(inputs.size()) == DataInputs(def)) {
+    if (static_cast<int>(inputs.size()) == tensorflow::grappler::NumNonControlInputs(def)) {
       context.op_info = tensorflow::grappler::BuildOpInfoWithoutDevice(def, name_to_node, inputs);
     } else {
       // GraphProperties has no (or not all) input properties for some nodes, e.g.
@@ -88,12 +80,14 @@ void EstimateComputeSeconds(const GraphProperties& properties, TensorTable* tabl
     // StridedSlice, GatherV2...), which the op info above lacks, and reject it
     // without them; give those the outputs. The other ops keep the figure they
     // get from their inputs (their plans were tuned on it).
-    if (!estimator.Accepts(context) && properties.HasOutputProperties(def.name())) {
+    bool accepted = estimator.Accepts(context);
+    if (!accepted && properties.HasOutputProperties(def.name())) {
       for (const auto& output : properties.GetOutputProperties(def.name())) {
         *context.op_info.add_outputs() = output;
       }
+      accepted = estimator.Accepts(context);
     }
-    if (!estimator.Accepts(context)) {
+    if (!accepted) {
       // TF's PredictCosts would log a warning and return zero costs: the same figure
       // without the log.
       node.compute_seconds = 0;
