@@ -34,16 +34,20 @@ def _make_function_observed(original):
                 pass
         return original(self, *args, **kwargs)
 
-    _make_function._tfmemopt_observed = True
     return _make_function
 
 
-def _patch(module):
-    trainer = getattr(module, "TensorFlowTrainer", None)
-    original = getattr(trainer, "_make_function", None)
+def _wrap_trainer_method(name, wrap):
+    """Replaces TensorFlowTrainer.<name> by wrap(original), once (the wrapper reads
+    the module's current observer or provider, so a second watch only swaps that)."""
+    module = sys.modules.get(TRAINER_MODULE)
+    trainer = getattr(module, "TensorFlowTrainer", None) if module is not None else None
+    original = getattr(trainer, name, None)
     if original is None or getattr(original, "_tfmemopt_observed", False):
         return
-    trainer._make_function = _make_function_observed(original)
+    wrapped = wrap(original)
+    wrapped._tfmemopt_observed = True
+    setattr(trainer, name, wrapped)
 
 
 def watch(observer):
@@ -51,9 +55,7 @@ def watch(observer):
     eagerly (None stops)."""
     global _observer
     _observer = observer
-    module = sys.modules.get(TRAINER_MODULE)
-    if module is not None:
-        _patch(module)
+    _wrap_trainer_method("_make_function", _make_function_observed)
 
 
 # fit_callbacks(model, callbacks) -> callbacks to add to this fit, or None: set by
@@ -80,7 +82,6 @@ def _fit_observed(original):
                 pass
         return original(self, *args, **kwargs)
 
-    fit._tfmemopt_observed = True
     return fit
 
 
@@ -89,9 +90,4 @@ def watch_fit(provider):
     backend) and adds the callbacks it returns to that fit (None stops)."""
     global _fit_callbacks
     _fit_callbacks = provider
-    module = sys.modules.get(TRAINER_MODULE)
-    trainer = getattr(module, "TensorFlowTrainer", None) if module is not None else None
-    original = getattr(trainer, "fit", None)
-    if original is None or getattr(original, "_tfmemopt_observed", False):
-        return
-    trainer.fit = _fit_observed(original)
+    _wrap_trainer_method("fit", _fit_observed)
