@@ -40,9 +40,10 @@ from conftest import chain_mlp
 mode = sys.argv[2]
 step, x, ws = chain_mlp(depth=24)
 if mode in ("plain_step", "plain_step_unknown_batch"):
-    # enable() alone, a plain tf.function: nothing retries the step.
+    # enable(function_retries=0), a plain tf.function: nothing retries the step.
     hog = tf.fill([int(sys.argv[4]) << 18], 1.0)
-    tfmemopt.enable(budget=int(sys.argv[3]), enable_split=False, log_level=0)
+    tfmemopt.enable(budget=int(sys.argv[3]), function_retries=0, enable_split=False,
+                    log_level=0)
     if mode == "plain_step_unknown_batch":
         step = tf.function(step.python_function, input_signature=[tf.TensorSpec([None, 256])])
     try:
@@ -52,6 +53,11 @@ if mode in ("plain_step", "plain_step_unknown_batch"):
     except tf.errors.ResourceExhaustedError:
         print("RESULT " + json.dumps({"out_of_memory": True}))
     sys.exit(0)
+if mode == "guarded":
+    # enable() alone, a plain tf.function: the guard retries its first calls.
+    hog = tf.fill([int(sys.argv[4]) << 18], 1.0)
+    tfmemopt.enable(budget=int(sys.argv[3]), function_retries=int(sys.argv[5]),
+                    enable_split=False, log_level=0)
 if mode in ("retry", "counted"):
     hog = tf.fill([int(sys.argv[4]) << 18], 1.0)  # HOG_MB MiB held for the whole run
     # "counted": the same budget, as the fraction of the capped device it is, which
@@ -68,6 +74,10 @@ if mode in ("retry", "counted"):
     out.update(retries=step.retries_done, measured=report.measured_peak_bytes,
                predicted=report.predicted_peak_bytes["after"], budget=report.budget_bytes,
                held=report.held_outside_bytes, text=report.to_text())
+if mode == "guarded":
+    from tfmemopt import function_guard
+    report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")][-1]
+    out.update(retries=function_guard.retries_done(), budget=report.budget_bytes)
 print("RESULT " + json.dumps(out))
 '''
 
@@ -102,6 +112,45 @@ def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run():
     assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
 
 
+def test_a_plain_tf_function_under_enable_alone_retries_and_equals_an_uncapped_run():
+    plain, _ = _result(run_python(_CUSTOM_LOOP, TESTS, "plain", env=_capped(1024)))
+    guarded, log = _result(run_python(_CUSTOM_LOOP, TESTS, "guarded", FIRST_BUDGET, HOG_MB,
+                                      RETRIES, env=_capped(CAP_MB)))
+    assert guarded["retries"], "the first plan did not run out of memory"
+    assert log.count("retrying the call (retry") == len(guarded["retries"])
+    assert "although tfmemopt planned it" not in log  # the guard says what it does
+    budgets = [r["new_budget_bytes"] for r in guarded["retries"]]
+    assert budgets == sorted(budgets, reverse=True)  # each retry plans lower
+    assert guarded["budget"]["CPU:0"] == budgets[-1]  # the plan that trained
+    assert guarded["losses"] == plain["losses"]
+    assert guarded["weights"] == plain["weights"]
+
+
+_PEAK_KEPT = r'''
+import json, sys
+import tensorflow as tf
+import tfmemopt
+sys.path.insert(0, sys.argv[1])
+from conftest import chain_mlp
+step, x, ws = chain_mlp(depth=24)
+tfmemopt.enable(budget=int(sys.argv[2]), enable_split=False, log_level=0)
+big = tf.fill([64 << 18], 1.0)  # 64 MiB, then freed: the peak the script reads later
+del big
+for _ in range(3):
+    step(x)
+report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")][-1]
+print("RESULT " + json.dumps({"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"],
+                              "changed": report.graph_changed}))
+'''
+
+
+def test_the_guard_of_a_plain_tf_function_leaves_the_allocators_peak_to_the_user():
+    """Guarded calls are not measured: the peak a script reads over its run is TF's."""
+    result, _ = _result(run_python(_PEAK_KEPT, TESTS, FIRST_BUDGET, env=_capped(1024)))
+    assert result["changed"]  # planned, so its first calls were guarded
+    assert result["peak"] >= 64 * 2**20
+
+
 def test_a_planned_step_that_runs_out_of_memory_without_a_wrapper_says_what_helps():
     result, log = _result(run_python(_CUSTOM_LOOP, TESTS, "plain_step", FIRST_BUDGET, HOG_MB,
                                      env=_capped(CAP_MB)))
@@ -129,14 +178,18 @@ def test_a_step_planned_on_unknown_sizes_that_runs_out_of_memory_asks_for_the_ba
 
 
 _PARTIAL_UPDATE = r'''
-import json
+import json, sys
 import tensorflow as tf
 import tfmemopt
-tfmemopt.enable(budget=1 << 30, log_level=0)
+# "function": tfmemopt.function's retries; "guarded": enable()'s function_retries.
+retries = {"function": 0, "guarded": 2}[sys.argv[1]]
+tfmemopt.enable(budget=1 << 30, function_retries=retries, log_level=0)
 counter = tf.Variable(0.0)
 x = tf.ones([1024, 1024])  # 4 MiB
 
-@tfmemopt.function(retries=2)
+decorate = tfmemopt.function(retries=2) if sys.argv[1] == "function" else tf.function
+
+@decorate
 def step(x):
     with tf.control_dependencies([counter.assign_add(1.0)]):
         # 64 MiB at once: more than the 48 MiB cap whatever the plan.
@@ -148,8 +201,10 @@ try:
     error = None
 except tf.errors.ResourceExhaustedError as e:
     error = type(e).__name__
+from tfmemopt import function_guard
+retries = step.retries_done if sys.argv[1] == "function" else function_guard.retries_done()
 print("RESULT " + json.dumps({"error": error, "counter": float(counter.numpy()),
-                              "retries": len(step.retries_done)}))
+                              "retries": len(retries)}))
 '''
 
 
@@ -174,9 +229,11 @@ def test_memory_held_outside_the_step_is_taken_from_its_budget():
     assert 0 < counted["measured"]["CPU:0"] <= CAP_MB * 2**20
 
 
-def test_no_update_of_a_failed_attempt_survives():
-    # The counter is incremented before the allocation that fails, in every attempt.
-    result, _ = _result(run_python(_PARTIAL_UPDATE, env=_capped(48)))
+@pytest.mark.parametrize("wrapper", ["function", "guarded"])
+def test_no_update_of_a_failed_attempt_survives(wrapper):
+    # The counter is incremented before the allocation that fails, in every attempt:
+    # in tfmemopt.function, and in a plain tf.function under enable() alone.
+    result, _ = _result(run_python(_PARTIAL_UPDATE, wrapper, env=_capped(48)))
     assert result["error"] == "ResourceExhaustedError"
     assert result["retries"] == 2
     assert result["counter"] == 0.0
@@ -267,11 +324,12 @@ def test_keras_fit_under_enable_with_fit_retries_0_runs_as_keras_runs_it():
     assert "retrying the batch" not in proc.stderr
 
 
-def test_enable_rejects_a_bad_fit_retries():
+@pytest.mark.parametrize("name", ["fit_retries", "function_retries"])
+def test_enable_rejects_a_bad_retry_count(name):
     before = tfmemopt.enabled_config()
     for bad in (-1, 1.5, True, "3"):
-        with pytest.raises(ValueError, match=r"fit_retries=.*allowed: an int >= 0"):
-            tfmemopt.enable(fit_retries=bad)
+        with pytest.raises(ValueError, match=rf"enable: {name}=.*allowed: an int >= 0"):
+            tfmemopt.enable(**{name: bad})
     assert tfmemopt.enabled_config() is before  # nothing changed
 
 

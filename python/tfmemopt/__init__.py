@@ -6,8 +6,9 @@ One line enables it for everything traced afterwards:
     tfmemopt.enable(budget="6GiB")      # or a fraction of device memory, e.g. 0.8
 
 For v1 Sessions: tf.compat.v1.Session(config=tfmemopt.config_proto(budget="6GiB")).
-Keras `fit` under enable() retries a batch that runs out of memory (fit_retries); for a
-fit of its own budget: model.fit(..., callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")]).
+Under enable(), a Keras `fit` retries a batch that runs out of memory (fit_retries), and
+so does a plain tf.function in its first calls (function_retries); for a fit of its own
+budget: model.fit(..., callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")]).
 """
 
 import json as _json
@@ -17,7 +18,7 @@ from tfmemopt._loader import load_extension as _load_extension
 
 _ext = _load_extension()
 
-from tfmemopt import _eager_context, _keras_hook  # noqa: E402
+from tfmemopt import _eager_context, _keras_hook, function_guard  # noqa: E402
 from tfmemopt.config import (  # noqa: E402
     PASS_NAME,
     MemoryOptimizerConfig,
@@ -44,7 +45,7 @@ _enabled = None  # the MemoryOptimizerConfig in force, or None
 _fit_retries = 0  # enable()'s fit_retries
 
 
-def enable(budget=None, *, fit_retries=3, **fields):
+def enable(budget=None, *, fit_retries=3, function_retries=3, **fields):
     """Runs TfMemOpt on every tf.function, Keras fit and distribute graph traced
     afterwards, in any thread.
 
@@ -59,10 +60,17 @@ def enable(budget=None, *, fit_retries=3, **fields):
     first steps of each plan are measured (docs/usage.md#keras). 0 leaves `fit`
     as Keras runs it (the pass still plans its step). A fit that has its own
     MemoryOptimizer keeps it.
+
+    function_retries: a plain tf.function called while enabled whose planned graph
+    runs out of memory in one of its first calls is re-planned under a lower budget
+    and retried with the same inputs this many times, its variables put back first
+    (tfmemopt.function_guard; docs/usage.md#custom-training-loops). 0 leaves its calls
+    as TF makes them.
     """
     global _enabled, _fit_retries
-    if isinstance(fit_retries, bool) or not isinstance(fit_retries, int) or fit_retries < 0:
-        raise ValueError(f"tfmemopt.enable: fit_retries={fit_retries!r}; allowed: an int >= 0")
+    for name, value in (("fit_retries", fit_retries), ("function_retries", function_retries)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"tfmemopt.enable: {name}={value!r}; allowed: an int >= 0")
     config = make_config(budget, **fields)
     entry = custom_optimizer_entry(config)
     with _lock:
@@ -70,6 +78,7 @@ def enable(budget=None, *, fit_retries=3, **fields):
             PASS_NAME, lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
         _enabled = config
         _fit_retries = fit_retries
+        function_guard.install_for(config, function_retries)
     _keras_hook.watch_fit(_fit_callbacks)
     return config
 
@@ -89,6 +98,7 @@ def disable():
     with _lock:
         _eager_context.set_config_edit(PASS_NAME, None)
         _enabled = None
+        function_guard.uninstall()
 
 
 def enabled_config():

@@ -156,6 +156,9 @@ _call_observer = None     # observer(atomic_function), on eager calls of graph f
 _session_observer = None  # observer(config_proto or None), when a Session is created
 _eager_run_observer = None  # observer(tf.function), when a tf.function runs eagerly
 _oom_observer = None  # observer(atomic_function, error), when a call runs out of memory
+# handler(atomic_function, args) -> outputs: makes the eager calls of graph functions
+# outside retrying_calls (function_guard.py, under tfmemopt.enable()); None: TF's call.
+_call_handler = None
 _retrying = threading.local()  # depth of retrying_calls in this thread
 _original_call_flat = _atomic.AtomicFunction.call_flat
 _original_run_eagerly = _polymorphic.Function._run_functions_eagerly  # a property
@@ -163,19 +166,36 @@ _original_session_init = _session.BaseSession.__init__
 
 
 def _call_flat(self, *args):
+    eager = self._bound_context.executing_eagerly()
     observer = _call_observer
-    if observer is not None and self._bound_context.executing_eagerly():
+    if observer is not None and eager:
         observer(self)
+    handler = _call_handler
+    if handler is not None and eager and not getattr(_retrying, "depth", 0):
+        # The handler makes the call (call_unhandled), maybe again after re-planning.
+        return handler(self, args)
+    return call_unhandled(self, args)
+
+
+def call_unhandled(function, args):
+    """Calls the graph function as TF does; an out-of-memory error is told to the
+    observer (unless a wrapper handles it: retrying_calls) and raised."""
     try:
-        return _original_call_flat(self, *args)
+        return _original_call_flat(function, *args)
     except _errors.ResourceExhaustedError as error:
-        oom_observer = _oom_observer
-        if oom_observer is not None and not getattr(_retrying, "depth", 0):
-            try:
-                oom_observer(self, error)
-            except Exception:  # noqa: BLE001 - telling the user must not hide TF's error
-                pass
+        if not getattr(_retrying, "depth", 0):
+            tell_out_of_memory(function, error)
         raise
+
+
+def tell_out_of_memory(function, error):
+    """Tells the observer of a call that ran out of memory (explanation.py's hint)."""
+    oom_observer = _oom_observer
+    if oom_observer is not None:
+        try:
+            oom_observer(function, error)
+        except Exception:  # noqa: BLE001 - telling the user must not hide TF's error
+            pass
 
 
 class retrying_calls:
@@ -212,6 +232,12 @@ def _session_init(self, target="", graph=None, config=None):
 _atomic.AtomicFunction.call_flat = _call_flat
 _polymorphic.Function._run_functions_eagerly = property(_functions_run_eagerly)
 _session.BaseSession.__init__ = _session_init
+
+
+def set_call_handler(handler):
+    """Installs the handler of eager graph-function calls (None: TF calls them)."""
+    global _call_handler
+    _call_handler = handler
 
 
 def set_observers(call_observer, session_observer, eager_run_observer=None,

@@ -166,10 +166,7 @@ class Function:
     def _own_budget(self, config):
         if self.budget_bytes is None:
             return _NullContext()
-        fields = {k: v for k, v in _fields_of(config).items() if k not in _BUDGET_FIELDS}
-        entry = custom_optimizer_entry(make_config(self.budget_bytes, **fields))
-        return _eager_context.thread_config_edit(
-            lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
+        return budget_edit(config, self.budget_bytes)
 
     @staticmethod
     def _graph_name(concrete):
@@ -195,6 +192,15 @@ class Function:
                                             self.retries_done, self.retries, retrying)
         self.calibrator.replanned()
         self._calls_since_plan = 0
+
+
+def budget_edit(config, budget_bytes):
+    """A context in which the calling thread's graph functions are built with `config`
+    under `budget_bytes` instead of its budget."""
+    fields = {k: v for k, v in _fields_of(config).items() if k not in _BUDGET_FIELDS}
+    entry = custom_optimizer_entry(make_config(budget_bytes, **fields))
+    return _eager_context.thread_config_edit(
+        lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
 
 
 class _NullContext:
