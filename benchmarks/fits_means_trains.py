@@ -15,7 +15,9 @@ cap (TF's BFC CPU allocator limited to --cap-mb, or the model's own cap below):
      the same step under the same cap without running it, and what its report says
      decides (row "analyzed"); a step it cannot analyze is listed, not counted.
 
-A claim that runs out of memory is a failure ("fits_but_oom"). With --retry the steps
+A claim that runs out of memory is a failure ("fits_but_oom"). Without --retry the trials
+run the plan alone (enable(function_retries=0): nothing retries the plain tf.function
+step). With --retry the steps
 run through tfmemopt's re-plan-on-OOM wrapper (tfmemopt.function, when the installed
 tfmemopt has it); a claim that trains after a re-plan counts as "trained_after_retry"
 (0 while tfmemopt has no such wrapper), and a claim whose step measured over its
@@ -218,8 +220,11 @@ def sweep(model, cap_mb, lo, growth, max_sizes, steps, retry, log, tolerance=0.0
     size = limit
     kwargs = {"model": model, "retry": retry}
     mib = lambda b: f"{b / 2**20:.1f}" if b else "-"  # noqa: E731
+    # Without --retry, the plan alone: enable()'s own retry of a plain tf.function off.
+    fields = {} if retry else {"function_retries": 0}
     for _ in range(max_sizes):
-        trial = run_trial(make_step, size, cap_mb=cap_mb, steps=steps, step_kwargs=kwargs)
+        trial = run_trial(make_step, size, cap_mb=cap_mb, steps=steps, step_kwargs=kwargs,
+                          **fields)
         report = trial.report
         devices = (report or {}).get("devices", [])
         predicted = max((d["peak_after_bytes"] for d in devices), default=None)

@@ -15,6 +15,10 @@ keep, swap or recompute each tensor; every field at its default) and "auto_exact
 (auto with split_batch_statistics=False: splitting along the batch never passes
 through batch normalization's gradient, docs/split.md#batch-statistics). Splitting is
 on in every tfmemopt configuration (the default), used only when nothing else fits.
+Each trial calls tfmemopt.enable() with its fields, as a user's script would, so a
+planned step that runs out of memory in its first calls is re-planned under a lower
+budget and retried (function_retries, 3 by default; tfmemopt/function_guard.py); a
+batch counts as training when its steps ran, retried or not.
 
 Usage: python benchmarks/resnet50_lms.py [--cap-mb 1024] [--lo 16] [--hi 1024] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:

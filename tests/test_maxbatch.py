@@ -138,6 +138,8 @@ def _nested():
      "memory_optimization='FAST'; allowed: None or one of DEFAULT_MEM_OPT, NO_MEM_OPT"),
     (dict(budget_byte=1), ValueError, "unknown field 'budget_byte' (did you mean 'budget_bytes'?)"),
     (dict(enable_swap="no"), TypeError, "enable_swap='no' has type str; allowed: a bool"),
+    (dict(function_retries=-1), ValueError, "function_retries=-1; allowed: an int >= 0"),
+    (dict(fit_retries=True), ValueError, "fit_retries=True; allowed: an int >= 0"),
     (dict(use_tfmemopt=False, enable_swap=False), ValueError,
      "use_tfmemopt=False with fields enable_swap; allowed: fields only with use_tfmemopt=True"),
     (dict(step_kwargs={"width": object()}), TypeError, "must be JSON values"),

@@ -39,6 +39,8 @@ MEMORY_OPTIMIZATION_LEVELS = (
     "RECOMPUTATION_HEURISTICS", "SCHEDULING_HEURISTICS", "HEURISTICS",
 )
 STRATEGIES = ("bisect", "grow")
+# tfmemopt.enable()'s own keywords, which a trial's fields may hold beside the config's.
+ENABLE_KEYWORDS = ("fit_retries", "function_retries")
 DEFAULT_TIMEOUT = 900.0
 
 _RESULT_MARK = "TFMEMOPT_TRIAL "
@@ -250,7 +252,11 @@ def _check_config(use_tfmemopt, fields, memory_optimization):
     if use_tfmemopt:
         from tfmemopt import make_config  # validates names and values, naming them
 
-        make_config(**fields)
+        for name in ENABLE_KEYWORDS:
+            value = fields.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"tfmemopt: {name}={value!r}; allowed: an int >= 0")
+        make_config(**{k: v for k, v in fields.items() if k not in ENABLE_KEYWORDS})
         try:
             json.dumps(fields)
         except TypeError:
@@ -959,7 +965,8 @@ def _peak_and_reports(config):
                       "graph_changed": r["graph_changed"]} for r in reports]
     if config["fields"] is not None:
         if reports:
-            largest = max(reports, key=lambda r: r["num_nodes"])
+            # The newest of the largest: after a retry, the plan that ran.
+            largest = max(reversed(reports), key=lambda r: r["num_nodes"])
             largest.pop("timeline", None)
             out["report"] = largest
     return out
