@@ -32,7 +32,8 @@ With --json, the last line of stdout is one JSON object:
 {"models": {name: {"unplanned": M, "planned": M}}, "apart": {name: {"default":
 {"unplanned": M, "planned": M}, "inter_op_1": {...}}}, "max_abs_error",
 "max_abs_error_unplanned", "max_abs_error_planned", "inter_op", ...}, where each
-M is {"predicted", "measured", "error", "runs", "step_peaks", "budget", "fits",
+M is {"predicted", "measured", "error", "runs", "step_peaks", "in_use_before"
+(bytes in use before the first step, per run), "budget", "fits",
 "nodes"}.
 """
 
@@ -64,6 +65,9 @@ if budget:
 else:
     tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0)
 step, args = MODELS[sys.argv[2]]()
+# What the model, its data and its variables hold before the first step (it tells
+# whether TF copied the caller's NumPy-made inputs into its allocator: docs/allocator.md).
+in_use_before = tf.config.experimental.get_memory_info("CPU:0")["current"]
 for _ in range(int(sys.argv[4])):
     step(*args)
 step_peaks = []
@@ -79,6 +83,7 @@ print("TRIAL " + json.dumps({
     "predicted_before": report.predicted_peak_bytes["before"]["CPU:0"],
     "measured": max(step_peaks),
     "step_peaks": step_peaks,
+    "in_use_before": in_use_before,
     "nodes": report.num_nodes,
     "fits": report.fits,
     "graph_changed": report.graph_changed,
@@ -116,6 +121,7 @@ def run_model(name, inter_op=0, warmup=2, steps=5, runs=3, budget=0):
         "error": (predicted - measured) / measured,
         "runs": [t["measured"] for t in trials],
         "step_peaks": [t["step_peaks"] for t in trials],
+        "in_use_before": [t["in_use_before"] for t in trials],
         "budget": budget,
         "fits": trials[-1]["fits"],
         "graph_changed": trials[-1]["graph_changed"],
@@ -178,7 +184,7 @@ def main():
         return max(errors) if errors else None
 
     keys = ("predicted", "predicted_before", "measured", "error", "runs", "step_peaks",
-            "budget", "fits", "graph_changed", "nodes")
+            "in_use_before", "budget", "fits", "graph_changed", "nodes")
     slim = lambda m: {kind: {k: r[k] for k in keys} for kind, r in m.items()}  # noqa: E731
     summary = {
         "models": {n: slim(m) for n, m in results.items()},
