@@ -96,34 +96,25 @@ def _capped(mb):
 TESTS = __import__("os").path.dirname(__file__)
 
 
-def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run():
+@pytest.mark.parametrize("mode, logged", [
+    ("retry", "retrying the step (retry"),   # tfmemopt.function
+    ("guarded", "retrying the call (retry"),  # a plain tf.function under enable() alone
+])
+def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run(mode, logged):
     plain, _ = _result(run_python(_CUSTOM_LOOP, TESTS, "plain", env=_capped(1024)))
-    retried, log = _result(run_python(_CUSTOM_LOOP, TESTS, "retry", FIRST_BUDGET, HOG_MB,
+    retried, log = _result(run_python(_CUSTOM_LOOP, TESTS, mode, FIRST_BUDGET, HOG_MB,
                                       RETRIES, env=_capped(CAP_MB)))
     assert retried["retries"], "the first plan did not run out of memory"
-    assert log.count("retrying the step (retry") == len(retried["retries"])
-    assert "although tfmemopt planned it" not in log  # the wrapper says what it does
+    assert log.count(logged) == len(retried["retries"])
+    assert "although tfmemopt planned it" not in log  # the retry says what it does
     budgets = [r["new_budget_bytes"] for r in retried["retries"]]
     assert budgets == sorted(budgets, reverse=True)  # each retry plans lower
     assert retried["budget"]["CPU:0"] == budgets[-1]  # the plan that trained
     assert retried["losses"] == plain["losses"]
     assert retried["weights"] == plain["weights"]
-    # Measured: the first steps of the plan that trained, under the cap.
-    assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
-
-
-def test_a_plain_tf_function_under_enable_alone_retries_and_equals_an_uncapped_run():
-    plain, _ = _result(run_python(_CUSTOM_LOOP, TESTS, "plain", env=_capped(1024)))
-    guarded, log = _result(run_python(_CUSTOM_LOOP, TESTS, "guarded", FIRST_BUDGET, HOG_MB,
-                                      RETRIES, env=_capped(CAP_MB)))
-    assert guarded["retries"], "the first plan did not run out of memory"
-    assert log.count("retrying the call (retry") == len(guarded["retries"])
-    assert "although tfmemopt planned it" not in log  # the guard says what it does
-    budgets = [r["new_budget_bytes"] for r in guarded["retries"]]
-    assert budgets == sorted(budgets, reverse=True)  # each retry plans lower
-    assert guarded["budget"]["CPU:0"] == budgets[-1]  # the plan that trained
-    assert guarded["losses"] == plain["losses"]
-    assert guarded["weights"] == plain["weights"]
+    if mode == "retry":
+        # Measured: the first steps of the plan that trained, under the cap.
+        assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
 
 
 _PEAK_KEPT = r'''
