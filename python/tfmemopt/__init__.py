@@ -43,6 +43,7 @@ __version__ = "0.1.0"
 _lock = _threading.Lock()
 _enabled = None  # the MemoryOptimizerConfig in force, or None
 _fit_retries = 0  # enable()'s fit_retries
+_function_retries = 0  # enable()'s function_retries
 
 
 def enable(budget=None, *, fit_retries=3, function_retries=3, **fields):
@@ -67,7 +68,7 @@ def enable(budget=None, *, fit_retries=3, function_retries=3, **fields):
     (tfmemopt.function_guard; docs/usage.md#custom-training-loops). 0 leaves its calls
     as TF makes them.
     """
-    global _enabled, _fit_retries
+    global _enabled, _fit_retries, _function_retries
     for name, value in (("fit_retries", fit_retries), ("function_retries", function_retries)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"tfmemopt.enable: {name}={value!r}; allowed: an int >= 0")
@@ -77,10 +78,16 @@ def enable(budget=None, *, fit_retries=3, function_retries=3, **fields):
         _eager_context.set_config_edit(
             PASS_NAME, lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
         _enabled = config
-        _fit_retries = fit_retries
+        _fit_retries, _function_retries = fit_retries, function_retries
         function_guard.install_for(config, function_retries)
     _keras_hook.watch_fit(_fit_callbacks)
     return config
+
+
+def _retry_keywords():
+    """enable()'s own keywords as they are in force, for code that calls enable() again
+    with other fields (the Keras callback) and must leave them as the user set them."""
+    return {"fit_retries": _fit_retries, "function_retries": _function_retries}
 
 
 def _fit_callbacks(model, callbacks):

@@ -255,8 +255,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
             budget = self.budget_bytes
             for name in ("budget_bytes", "budget_fraction"):
                 fields.pop(name, None)
-        # enable()'s fit_retries as they are: this callback is the fit's loop.
-        tfmemopt.enable(budget, fit_retries=tfmemopt._fit_retries, **fields)
+        # enable()'s retry keywords as they are: this callback is the fit's loop.
+        tfmemopt.enable(budget, **tfmemopt._retry_keywords(), **fields)
 
     def _guarded_step(self, iterator):
         """Runs one train step on batches read beforehand, so that a step that runs
@@ -415,7 +415,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         if self._previous is None:
             tfmemopt.disable()
         else:
-            tfmemopt.enable(fit_retries=tfmemopt._fit_retries, **_fields_of(self._previous))
+            tfmemopt.enable(**tfmemopt._retry_keywords(), **_fields_of(self._previous))
 
 
 def _fields_of(config):
