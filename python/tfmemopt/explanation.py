@@ -27,8 +27,9 @@ places are found here and told to the user once, as they happen:
 * a Keras model compiled with `run_eagerly=True`: Keras runs its steps as Python and
   builds no tf.function (a WARNING, once per model; observed in tfmemopt._keras_hook).
 
-And where the pass did act but its plan ran out of memory in a plain tf.function or
-Keras `fit` under enable() (no wrapper that retries): a WARNING, once per graph,
+And where the pass did act but its plan ran out of memory in a call nothing retried (a
+plain tf.function past its guarded calls, one reading an iterator, Keras `fit` with
+enable(fit_retries=0), or function_retries=0; function_guard.py): a WARNING, once per graph,
 saying what was planned, that the device had less free than the step needed, and what
 re-plans and retries it (tfmemopt.function, tfmemopt.keras.MemoryOptimizer) or which
 lower budget to enable.
