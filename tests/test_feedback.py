@@ -117,6 +117,54 @@ def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run(mode, logg
         assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
 
 
+_KERAS_LOOP = r'''
+import json, sys
+import numpy as np
+import keras, tensorflow as tf
+import tfmemopt
+mode = sys.argv[1]
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((256,))] +
+                         [keras.layers.Dense(256, activation="relu") for _ in range(24)] +
+                         [keras.layers.Dense(1)])
+optimizer = keras.optimizers.Adam(1e-3)  # its moments and step count are made in the first call
+rng = np.random.default_rng(0)
+x = tf.constant(rng.standard_normal((1024, 256)).astype(np.float32))
+y = tf.constant(rng.standard_normal((1024, 1)).astype(np.float32))
+if mode == "guarded":
+    hog = tf.fill([int(sys.argv[3]) << 18], 1.0)
+    tfmemopt.enable(budget=int(sys.argv[2]), function_retries=int(sys.argv[4]),
+                    enable_split=False, log_level=0)
+
+@tf.function
+def step(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+losses = [float(step(x, y)).hex() for _ in range(3)]
+from tfmemopt import function_guard
+print("RESULT " + json.dumps({
+    "losses": losses, "retries": len(function_guard.retries_done()),
+    "variables": [v.numpy().tobytes().hex()[:2048] for v in model.weights + optimizer.variables]}))
+'''
+
+
+def test_a_keras_custom_loop_under_enable_alone_retries_with_the_optimizers_state():
+    """A Keras model and Adam in a plain tf.function, enable() only: the retried calls
+    put back the weights and the optimizer's moments and step count, and every
+    variable ends as in an uncapped run."""
+    no_onednn = {"TF_ENABLE_ONEDNN_OPTS": "0"}  # see test_keras_fit_retries_the_batch...
+    plain, _ = _result(run_python(_KERAS_LOOP, "plain", env={**_capped(1024), **no_onednn}))
+    guarded, log = _result(run_python(_KERAS_LOOP, "guarded", FIRST_BUDGET, HOG_MB, RETRIES,
+                                      env={**_capped(CAP_MB), **no_onednn}))
+    assert guarded["retries"] >= 1, log[-3000:]
+    assert guarded["losses"] == plain["losses"]
+    assert guarded["variables"] == plain["variables"]
+
+
 _PEAK_KEPT = r'''
 import json, sys
 import tensorflow as tf
