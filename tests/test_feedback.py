@@ -117,16 +117,21 @@ def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run(mode, logg
         assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
 
 
-_KERAS_LOOP = r'''
+# Both Keras scripts below train this model: 24 Dense layers of 256 units.
+_KERAS_MODEL = r'''
 import json, sys
 import numpy as np
 import keras, tensorflow as tf
 import tfmemopt
+from tfmemopt.keras import MemoryOptimizer
 mode = sys.argv[1]
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((256,))] +
                          [keras.layers.Dense(256, activation="relu") for _ in range(24)] +
                          [keras.layers.Dense(1)])
+'''
+
+_KERAS_LOOP = _KERAS_MODEL + r'''
 optimizer = keras.optimizers.Adam(1e-3)  # its moments and step count are made in the first call
 rng = np.random.default_rng(0)
 x = tf.constant(rng.standard_normal((1024, 256)).astype(np.float32))
@@ -278,17 +283,7 @@ def test_no_update_of_a_failed_attempt_survives(wrapper):
     assert result["counter"] == 0.0
 
 
-_KERAS = r'''
-import json, sys
-import numpy as np
-import keras, tensorflow as tf
-import tfmemopt
-from tfmemopt.keras import MemoryOptimizer
-mode = sys.argv[1]
-keras.utils.set_random_seed(0)
-model = keras.Sequential([keras.Input((256,))] +
-                         [keras.layers.Dense(256, activation="relu") for _ in range(24)] +
-                         [keras.layers.Dense(1)])
+_KERAS = _KERAS_MODEL + r'''
 model.compile(keras.optimizers.SGD(0.01), "mse")
 rng = np.random.default_rng(0)
 x = rng.standard_normal((3 * 1024, 256)).astype(np.float32)
