@@ -65,7 +65,7 @@ def enable(budget=None, *, fit_retries=3, function_retries=3, **fields):
     function_retries: a plain tf.function called while enabled whose planned graph
     runs out of memory in one of its first calls is re-planned under a lower budget
     and retried with the same inputs this many times, its variables put back first
-    (tfmemopt.function_guard; docs/usage.md#custom-training-loops). 0 leaves its calls
+    (tfmemopt.function_guard; docs/usage.md#when-a-plan-runs-out-of-memory). 0 leaves its calls
     as TF makes them.
     """
     global _enabled, _fit_retries, _function_retries

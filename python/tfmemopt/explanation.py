@@ -248,16 +248,14 @@ def _on_keras_eager(model):
 
 
 def _on_out_of_memory(function, error):
-    import tfmemopt
     from tfmemopt import feedback
 
     name, _ = _eager_context.function_definition(function)
     if not _pass_in(_eager_context.current_rewrite_options()):
         return
-    reports = [r for r in tfmemopt.reports() if r.graph_id == name]
-    if not reports or reports[-1].status != "ok":
+    report = feedback.planned_report(name)
+    if report is None:
         return  # not planned by the pass (or it fell back): nothing to say about a plan
-    report = reports[-1]
     record = feedback.next_budget(report, error, {})
     mib = lambda b: f"{b / 2**20:.1f} MiB" if b else "unknown"  # noqa: E731
     planned = (f"its plan fits the budget (predicted peak {mib(record['predicted_peak_bytes'])}, "

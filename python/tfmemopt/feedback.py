@@ -201,6 +201,15 @@ def step_own_peak(report, device, peak, in_use_before):
     return max(0, peak - outside)
 
 
+def planned_report(graph_id):
+    """The pass's last report of graph `graph_id` when it planned the graph (status
+    ok, changed or left as it was because it predicted that it fits), else None."""
+    import tfmemopt
+
+    mine = [r for r in tfmemopt.reports() if r.graph_id == graph_id]
+    return mine[-1] if mine and mine[-1].status == "ok" else None
+
+
 def report_count():
     """How many reports the pass has made in this process: a call after which it grew
     planned a graph (TF traced or re-instantiated the function during the call)."""

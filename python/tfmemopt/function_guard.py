@@ -14,8 +14,9 @@ called eagerly while enable() is in force, so that the one line is enough:
 * the first `guard_steps` calls of a function, and of each re-plan of it, are guarded
   by a host snapshot of the variables the function captures (the first call too, as
   the pass plans during it);
-* when a guarded call of a function the pass planned (or left as it was, predicting
-  that it fits) runs out of memory, the
+* when a guarded call of a function the pass planned (feedback.planned_report: a graph
+  left as it was, because the pass predicted that it fits, counts too) runs out of
+  memory, the
   variables are put back, the budget is lowered by the allocation that failed
   (feedback.replan), the function is re-instantiated (and so re-planned) under it, and
   the call is retried with the same inputs, up to `function_retries` times. Each retry
@@ -86,7 +87,7 @@ def _handle_call(function, args):
     config = tfmemopt.enabled_config()
     if config is None:
         return _eager_context.call_unhandled(function, args)
-    name, _ = _eager_context.function_definition(function)
+    name = function.name.decode()
     with _lock:
         state = _state.setdefault(name, _FunctionState())
     while True:
@@ -97,7 +98,7 @@ def _handle_call(function, args):
             with _own_budget(config, state.budget_bytes), _eager_context.retrying_calls():
                 result = _eager_context.call_unhandled(function, args)
         except tf.errors.ResourceExhaustedError as error:
-            report = _planned_report(name) if snapshot is not None else None
+            report = feedback.planned_report(name) if snapshot is not None else None
             if snapshot is None or report is None:
                 _eager_context.tell_out_of_memory(function, error)
                 raise
@@ -110,7 +111,7 @@ def _handle_call(function, args):
             continue
         if state.planned is None:
             try:
-                state.planned = _planned_report(name) is not None
+                state.planned = feedback.planned_report(name) is not None
             except Exception:  # noqa: BLE001 - no report to read: not guarded again
                 state.planned = False
         state.calls_since_plan += 1
@@ -135,18 +136,6 @@ def _snapshot(function, args):
         return feedback.VariableSnapshot(variables)
     except Exception:  # noqa: BLE001 - a variable gone or unreadable: TF makes the call
         return None
-
-
-def _planned_report(name):
-    """The pass's last report of graph `name` when the pass planned it, else None. A
-    graph it left as it was is planned too: the pass predicted that it fits, and a
-    retry under a lower budget is how a wrong prediction gets corrected."""
-    import tfmemopt
-
-    mine = [r for r in tfmemopt.reports() if r.graph_id == name]
-    if not mine or mine[-1].status != "ok":
-        return None
-    return mine[-1]
 
 
 def _own_budget(config, budget_bytes):
