@@ -181,11 +181,37 @@ def log_retry(what, record, retry, retries):
         mib(record["predicted_peak_bytes"]), then)
 
 
+def _missed_budget(record):
+    predicted, budget = record["predicted_peak_bytes"], record["budget_bytes"]
+    return bool(predicted and budget and predicted > budget)
+
+
+def log_not_replanned(what, record):
+    """One WARNING line for an out-of-memory error that no re-plan can help."""
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    missing = record["missing_bytes"]
+    tf.get_logger().warning(
+        "tfmemopt: graph %s ran out of memory on %s (%s); not retrying %s: its plan "
+        "could not meet its budget (smallest peak reachable %s, budget %s), and a "
+        "lower budget cannot lower it. Lower the batch size, or see "
+        "docs/usage.md#when-a-plan-runs-out-of-memory.", record["graph_id"],
+        record["device"],
+        f"could not allocate {mib(missing)}" if missing else "allocation size not given",
+        what, mib(record["predicted_peak_bytes"]), mib(record["budget_bytes"]))
+
+
 def replan(what, report, error, peaks, retries_done, retries, retrying=True):
     """The budget to plan under after `error`, logged; re-raises `error` when nothing
-    is known to plan from. A retried step's record goes into `retries_done`."""
+    is known to plan from, or when the plan had already missed its budget (a lower one
+    gives the same plan). A retried step's record goes into `retries_done`."""
     record = next_budget(report, error, peaks)
     if record["new_budget_bytes"] is None:
+        raise error
+    if _missed_budget(record):
+        # The planner already went as low as it could and missed the budget: the
+        # smallest peak it reached does not depend on the budget, so a re-plan under a
+        # lower one gives the same plan and runs out of memory again.
+        log_not_replanned(what, record)
         raise error
     if retrying:
         retries_done.append(record)
