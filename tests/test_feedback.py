@@ -289,6 +289,47 @@ def test_no_update_of_a_failed_attempt_survives(wrapper):
     assert log.count("a lower budget cannot lower it") == 1
 
 
+_PLANNED_LATER = r'''
+import json
+import tensorflow as tf
+import tfmemopt
+from tfmemopt import function_guard
+counter = tf.Variable(0.0)
+x = tf.ones([1024, 1024])  # 4 MiB
+
+@tf.function
+def step(x, big):
+    with tf.control_dependencies([counter.assign_add(1.0)]):
+        # big: 64 MiB at once, more than the 48 MiB cap whatever the plan.
+        return tf.cond(big, lambda: tf.reduce_sum(tf.tanh(tf.tile(x, [16, 1]))),
+                       lambda: tf.reduce_sum(tf.tanh(x)))
+
+tfmemopt.enable(budget=1 << 30, function_retries=2, log_level=0)
+# With Grappler off, the first call's graph is not planned: nothing to guard yet.
+tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+step(x, tf.constant(False))
+tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
+tfmemopt.enable(budget=1 << 29, function_retries=2, log_level=0)
+try:
+    step(x, tf.constant(True))  # planned now, during this call
+    error = None
+except tf.errors.ResourceExhaustedError as e:
+    error = type(e).__name__
+print("RESULT " + json.dumps({"error": error, "counter": float(counter.numpy()),
+                              "retries": len(function_guard.retries_done()),
+                              "planned": [r.status for r in tfmemopt.reports()]}))
+'''
+
+
+def test_a_function_first_left_alone_is_guarded_once_a_later_enable_plans_it():
+    result, log = _result(run_python(_PLANNED_LATER, env=_capped(48)))
+    # The second call's plan and its re-plan; none for the first call's graph.
+    assert result["planned"] == ["ok", "ok"], log[-3000:]
+    assert result["error"] == "ResourceExhaustedError"
+    assert result["retries"] == 1, log[-3000:]  # retried, then said no plan can fit
+    assert result["counter"] == 1.0  # the first call's update; none of the failed ones
+
+
 _KERAS = _KERAS_MODEL + r'''
 model.compile(keras.optimizers.SGD(0.01), "mse")
 rng = np.random.default_rng(0)

@@ -20,7 +20,11 @@ called eagerly while enable() is in force, so that the one line is enough:
   variables are put back, the budget is lowered by the allocation that failed
   (feedback.replan), the function is re-instantiated (and so re-planned) under it, and
   the call is retried with the same inputs, up to `function_retries` times. Each retry
-  is logged. The lower budget is this function's (this trace's) for its later calls.
+  is logged. The lower budget is this function's (this trace's) for its later calls,
+  until enable() is called with another config;
+* each enable() starts the guarded calls of every function again, as TF re-plans a
+  function on its next call under a new config (a function the pass had left alone
+  may be planned then).
 
 A call is left as TF makes it, with the existing hint on an out-of-memory error, when
 it reads a resource that is not one of its variables (an iterator, as in Keras' fit,
@@ -54,10 +58,22 @@ class _FunctionState:
         self.retries_done = []
 
 
-def install(retries, guard_steps=feedback.DEFAULT_GUARD_STEPS):
+def install(retries, guard_steps=feedback.DEFAULT_GUARD_STEPS, config_key=None):
     """Guards eager graph-function calls with `retries` retries (0: TF makes every
-    call, and out-of-memory errors only get the hint)."""
-    _settings["retries"], _settings["guard_steps"] = retries, guard_steps
+    call, and out-of-memory errors only get the hint).
+
+    Each install starts every known function's guarded calls again: TF re-plans a
+    function on its next call under a new config, and a function the pass had left
+    alone so far may be planned now. `config_key` names the config; under another one
+    the budgets lowered by earlier retries are dropped (they were lowered from the old
+    budget)."""
+    with _lock:
+        new_config = config_key != _settings.get("config_key")
+        _settings.update(retries=retries, guard_steps=guard_steps, config_key=config_key)
+        for state in _state.values():
+            state.planned, state.calls_since_plan = None, 0
+            if new_config:
+                state.budget_bytes = None
     _eager_context.set_call_handler(_handle_call if retries > 0 else None)
 
 
@@ -65,7 +81,8 @@ def install_for(config, retries):
     """install(), unless `config` (a MemoryOptimizerConfig) leaves graphs as they are
     (ANALYZE_ONLY): then there is no plan to correct."""
     analyze_only = config.mode == type(config).ANALYZE_ONLY
-    install(0 if analyze_only else retries)
+    install(0 if analyze_only else retries,
+            config_key=config.SerializeToString(deterministic=True))
 
 
 def uninstall():
