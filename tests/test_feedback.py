@@ -304,29 +304,41 @@ def step(x, big):
         return tf.cond(big, lambda: tf.reduce_sum(tf.tanh(tf.tile(x, [16, 1]))),
                        lambda: tf.reduce_sum(tf.tanh(x)))
 
-tfmemopt.enable(budget=1 << 30, function_retries=2, log_level=0)
+def big_step():
+    try:
+        step(x, tf.constant(True))
+        return None
+    except tf.errors.ResourceExhaustedError as e:
+        return type(e).__name__
+
+tfmemopt.enable(budget=1 << 30, function_retries=1, log_level=0)
 # With Grappler off, the first call's graph is not planned: nothing to guard yet.
 tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
 step(x, tf.constant(False))
 tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
-tfmemopt.enable(budget=1 << 29, function_retries=2, log_level=0)
-try:
-    step(x, tf.constant(True))  # planned now, during this call
-    error = None
-except tf.errors.ResourceExhaustedError as e:
-    error = type(e).__name__
-print("RESULT " + json.dumps({"error": error, "counter": float(counter.numpy()),
-                              "retries": len(function_guard.retries_done()),
+tfmemopt.enable(budget=1 << 29, function_retries=1, log_level=0)
+errors = [big_step()]  # planned now, during this call
+retries = [len(function_guard.retries_done())]
+tfmemopt.enable(budget=1 << 28, function_retries=1, log_level=0)
+errors.append(big_step())  # re-planned under the new budget, with its own retry
+retries.append(len(function_guard.retries_done()))
+print("RESULT " + json.dumps({"errors": errors, "counter": float(counter.numpy()),
+                              "retries": retries,
                               "planned": [r.status for r in tfmemopt.reports()]}))
 '''
 
 
-def test_a_function_first_left_alone_is_guarded_once_a_later_enable_plans_it():
+def test_each_enable_guards_a_function_again_with_its_own_retries():
+    """A function first left alone (Grappler off) is guarded once a later enable()
+    plans it, and another enable() gives its next plan the retries again."""
     result, log = _result(run_python(_PLANNED_LATER, env=_capped(48)))
-    # The second call's plan and its re-plan; none for the first call's graph.
-    assert result["planned"] == ["ok", "ok"], log[-3000:]
-    assert result["error"] == "ResourceExhaustedError"
-    assert result["retries"] == 1, log[-3000:]  # retried, then said no plan can fit
+    # Plans under 512 MiB, 4 MiB (the retry's) and 256 MiB; none for the first call's
+    # graph. The second retry's 4 MiB is the first's, whose instance TF reuses.
+    assert result["planned"] == ["ok"] * 3, log[-3000:]
+    assert result["errors"] == ["ResourceExhaustedError"] * 2
+    # Each big call retried once (function_retries=1), under each enable().
+    assert result["retries"] == [1, 2], log[-3000:]
+    assert log.count("retrying the call (retry 1 of 1)") == 2
     assert result["counter"] == 1.0  # the first call's update; none of the failed ones
 
 

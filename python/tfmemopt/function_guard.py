@@ -55,7 +55,8 @@ class _FunctionState:
         self.calls_since_plan = 0
         self.planned = None  # unknown until its first call
         self.budget_bytes = None  # its own budget after a retry
-        self.retries_done = []
+        self.retries_done = []  # under the config in force: counted against retries
+        self.earlier_retries = []  # under earlier configs
 
 
 def install(retries, guard_steps=feedback.DEFAULT_GUARD_STEPS, config_key=None):
@@ -66,7 +67,7 @@ def install(retries, guard_steps=feedback.DEFAULT_GUARD_STEPS, config_key=None):
     function on its next call under a new config, and a function the pass had left
     alone so far may be planned now. `config_key` names the config; under another one
     the budgets lowered by earlier retries are dropped (they were lowered from the old
-    budget)."""
+    budget), and each function has its `retries` again."""
     with _lock:
         new_config = config_key != _settings.get("config_key")
         _settings.update(retries=retries, guard_steps=guard_steps, config_key=config_key)
@@ -74,6 +75,8 @@ def install(retries, guard_steps=feedback.DEFAULT_GUARD_STEPS, config_key=None):
             state.planned, state.calls_since_plan = None, 0
             if new_config:
                 state.budget_bytes = None
+                state.earlier_retries += state.retries_done
+                state.retries_done = []
     _eager_context.set_call_handler(_handle_call if retries > 0 else None)
 
 
@@ -95,7 +98,8 @@ def retries_done(function_name=None):
     with _lock:
         states = ([_state[function_name]] if function_name in _state else []
                   if function_name is not None else list(_state.values()))
-    return [record for state in states for record in state.retries_done]
+    return [record for state in states
+            for record in state.earlier_retries + state.retries_done]
 
 
 def _handle_call(function, args):
