@@ -257,7 +257,7 @@ def _on_out_of_memory(function, error):
     if report is None:
         return  # not planned by the pass (or it fell back): nothing to say about a plan
     record = feedback.next_budget(report, error, {})
-    mib = lambda b: f"{b / 2**20:.1f} MiB" if b else "unknown"  # noqa: E731
+    mib = feedback.mib
     planned = (f"its plan fits the budget (predicted peak {mib(record['predicted_peak_bytes'])}, "
                f"budget {mib(record['budget_bytes'])}), but the device had less free than the "
                f"step needed (the memory model under-predicted it, or memory held outside "
@@ -277,12 +277,10 @@ def _on_out_of_memory(function, error):
     else:
         lower = "; or lower the batch size"
     _tell_once(("oom", name), "warning",
-               "tfmemopt: graph %s ran out of memory on %s (%s) although tfmemopt planned "
-               "it: %s. tfmemopt.keras.MemoryOptimizer (for fit) and tfmemopt.function (for "
-               "a custom step) re-plan and retry such a step by themselves%s.",
-               name, record["device"],
-               f"could not allocate {mib(record['missing_bytes'])}"
-               if record["missing_bytes"] else "allocation size not given", planned, lower)
+               "tfmemopt: %s although tfmemopt planned it: %s. "
+               "tfmemopt.keras.MemoryOptimizer (for fit) and tfmemopt.function (for a "
+               "custom step) re-plan and retry such a step by themselves%s.",
+               feedback.ran_out_of_memory(record), planned, lower)
 
 
 # Sessions created while enable() was in force whose config lacks the pass.

@@ -165,20 +165,30 @@ def next_budget(report, error, peaks):
             "new_budget_bytes": lowered_budget(budget, predicted, missing, in_use)}
 
 
+def mib(n):
+    """`n` bytes in MiB for a log line; "unknown" for None or 0."""
+    return f"{n / 2**20:.1f} MiB" if n else "unknown"
+
+
+def ran_out_of_memory(record):
+    """The head of every line about an out-of-memory error (next_budget's record):
+    "graph G ran out of memory on D (could not allocate N MiB)"."""
+    missing = record["missing_bytes"]
+    return (f"graph {record['graph_id']} ran out of memory on {record['device']} ("
+            + (f"could not allocate {mib(missing)}" if missing else
+               "allocation size not given") + ")")
+
+
 def log_retry(what, record, retry, retries):
     """One WARNING line for a re-plan; `retry` is its number, or None when the step is
     not retried (past the guarded steps)."""
-    mib = lambda b: f"{b / 2**20:.1f} MiB" if b else "unknown"  # noqa: E731
-    missing = record["missing_bytes"]
     then = (f"retrying {what} (retry {retry} of {retries})" if retry is not None else
             f"not retrying {what}: past the first steps after a plan, variables may "
             f"be partly updated; the next plan uses this budget")
     tf.get_logger().warning(
-        "tfmemopt: graph %s ran out of memory on %s (%s); re-planning under a budget of "
-        "%s (was %s, predicted peak %s), %s", record["graph_id"], record["device"],
-        f"could not allocate {mib(missing)}" if missing else "allocation size not given",
-        mib(record["new_budget_bytes"]), mib(record["budget_bytes"]),
-        mib(record["predicted_peak_bytes"]), then)
+        "tfmemopt: %s; re-planning under a budget of %s (was %s, predicted peak %s), %s",
+        ran_out_of_memory(record), mib(record["new_budget_bytes"]),
+        mib(record["budget_bytes"]), mib(record["predicted_peak_bytes"]), then)
 
 
 def _missed_budget(record):
@@ -188,16 +198,12 @@ def _missed_budget(record):
 
 def log_not_replanned(what, record):
     """One WARNING line for an out-of-memory error that no re-plan can help."""
-    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-    missing = record["missing_bytes"]
     tf.get_logger().warning(
-        "tfmemopt: graph %s ran out of memory on %s (%s); not retrying %s: its plan "
-        "could not meet its budget (smallest peak reachable %s, budget %s), and a "
-        "lower budget cannot lower it. Lower the batch size, or see "
-        "docs/usage.md#when-a-plan-runs-out-of-memory.", record["graph_id"],
-        record["device"],
-        f"could not allocate {mib(missing)}" if missing else "allocation size not given",
-        what, mib(record["predicted_peak_bytes"]), mib(record["budget_bytes"]))
+        "tfmemopt: %s; not retrying %s: its plan could not meet its budget (smallest "
+        "peak reachable %s, budget %s), and a lower budget cannot lower it. Lower the "
+        "batch size, or see docs/usage.md#when-a-plan-runs-out-of-memory.",
+        ran_out_of_memory(record), what, mib(record["predicted_peak_bytes"]),
+        mib(record["budget_bytes"]))
 
 
 def replan(what, report, error, peaks, retries_done, retries, retrying=True):

@@ -47,7 +47,8 @@ from tfmemopt import _eager_context, feedback
 
 _lock = threading.Lock()
 _state = {}  # function name -> _FunctionState
-_settings = {"retries": 0, "guard_steps": feedback.DEFAULT_GUARD_STEPS}
+# config_key: the serialized config of the last install (see install()).
+_settings = {"retries": 0, "guard_steps": feedback.DEFAULT_GUARD_STEPS, "config_key": None}
 
 
 class _FunctionState:
@@ -69,7 +70,7 @@ def install(retries, guard_steps=feedback.DEFAULT_GUARD_STEPS, config_key=None):
     the budgets lowered by earlier retries are dropped (they were lowered from the old
     budget), and each function has its `retries` again."""
     with _lock:
-        new_config = config_key != _settings.get("config_key")
+        new_config = config_key != _settings["config_key"]
         _settings.update(retries=retries, guard_steps=guard_steps, config_key=config_key)
         for state in _state.values():
             state.planned, state.calls_since_plan = None, 0
