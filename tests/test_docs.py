@@ -207,4 +207,4 @@ def test_readme_stays_a_front_page():
     lines = README.read_text().splitlines()
     assert len(lines) <= 300
     assert lines[3].startswith("python3 -m venv .venv") and "tfmemopt demo" in lines[3]
-    assert lines[4].startswith("python3 -m venv .venv") and "pytest -q tests" in lines[4]
+    assert lines[4].startswith("python3 -m venv .venv") and "pytest -q -n 2 tests" in lines[4]
