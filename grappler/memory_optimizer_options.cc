@@ -243,6 +243,8 @@ const std::vector<OptionField>& Fields() {
             }
             return 0;
           }),
+      IntField<int64_t>("test_only_hold_bytes", "int64", &O::test_only_hold_bytes, 0,
+                        INT64_MAX),
   };
   return *fields;
 }

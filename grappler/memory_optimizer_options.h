@@ -73,6 +73,9 @@ struct MemoryOptimizerOptions {
   bool count_memory_held_outside = true;
   // Test-only: name of the stage that must fail ("" = none).
   std::string test_only_fail_stage;
+  // Test-only: bytes a changed graph holds through its step, unpredicted
+  // (rewrite/test_only_hold.h); 0 = none.
+  int64_t test_only_hold_bytes = 0;
 };
 
 // Fills `options` from a custom optimizer entry. Unknown keys, values of the wrong

@@ -27,6 +27,7 @@
 #include "grappler/report/memory_report.h"
 #include "grappler/report/table_export.h"
 #include "grappler/rewrite/recompute_pass.h"
+#include "grappler/rewrite/test_only_hold.h"
 #include "grappler/simulate/liveness_simulator.h"
 #include "grappler/verify/graph_verifier.h"
 #include "tensorflow/core/common_runtime/device_set.h"
@@ -785,6 +786,12 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     return PeakNotRaised(before, after);
   });
   if (!status.ok()) return status;
+  if (report->graph_changed && options.test_only_hold_bytes > 0) {
+    std::vector<std::string> wait_for(item.fetch.begin(), item.fetch.end());
+    wait_for.insert(wait_for.end(), item.keep_ops.begin(), item.keep_ops.end());
+    status = AddTestOnlyHold(options.test_only_hold_bytes, wait_for, output);
+    if (!status.ok()) return status;
+  }
 
   return stages->Run("report", [&] {
     const bool changed = report->graph_changed;

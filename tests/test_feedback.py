@@ -117,6 +117,89 @@ def test_custom_loop_retries_until_it_fits_and_equals_an_uncapped_run(mode, logg
         assert 0 < retried["measured"]["CPU:0"] <= CAP_MB * 2**20
 
 
+# The last resort: a plan that is wrong about real memory where the graph as TF built
+# it is right. test_only_hold_bytes makes every changed graph hold a buffer the
+# prediction does not count (grappler/rewrite/test_only_hold.h), so that every plan
+# runs out of memory under a cap the original step trains under.
+AS_BUILT_CAP_MB = 40     # the 24-layer MLP's step peaks at about 36.3 MiB as TF built it
+AS_BUILT_BUDGET = 25_000_000  # the pass plans it to about 23 MiB...
+AS_BUILT_HOLD = 20_000_000    # ...and holds 19 MiB more: over 40 MiB with every plan
+
+_AS_BUILT = r"""
+import json, sys
+import tensorflow as tf
+import tfmemopt
+sys.path.insert(0, sys.argv[1])
+from conftest import chain_mlp
+mode = sys.argv[2]
+step, x, ws = chain_mlp(depth=24)
+if mode != "plain":
+    tfmemopt.enable(budget=int(sys.argv[3]), test_only_hold_bytes=int(sys.argv[4]),
+                    function_retries=1, enable_split=False, log_level=0)
+if mode == "function":
+    step = tfmemopt.function(step.python_function, retries=1)
+try:
+    losses = [float(step(x)).hex() for _ in range(3)]
+except tf.errors.ResourceExhaustedError:
+    print("RESULT " + json.dumps({"out_of_memory": True}))
+    sys.exit(0)
+reports = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_step")]
+print("RESULT " + json.dumps({
+    "losses": losses, "weights": [w.numpy().tobytes().hex()[:4096] for w in ws],
+    "modes": [r.mode for r in reports], "changed": [r.graph_changed for r in reports],
+    "original": getattr(step, "original", None)}))
+"""
+
+
+@pytest.mark.parametrize("mode, what", [("guarded", "the call"), ("function", "the step")])
+def test_a_step_that_trains_without_tfmemopt_trains_with_it_when_every_plan_runs_out(mode, what):
+    """Every plan runs out of memory (one re-plan, then the original): the step runs
+    as TF built it, trains, and its losses and weights are the plain run's."""
+    plain, _ = _result(run_python(_AS_BUILT, TESTS, "plain", env=_capped(AS_BUILT_CAP_MB)))
+    assert "losses" in plain, "the step as TF built it must train under the cap"
+    mine, log = _result(run_python(_AS_BUILT, TESTS, mode, AS_BUILT_BUDGET, AS_BUILT_HOLD,
+                                   env=_capped(AS_BUILT_CAP_MB)))
+    assert "losses" in mine, log[-3000:]
+    assert log.count(f"retrying {what} (retry") == 1
+    assert log.count(f"after 1 re-plan(s); running {what} as TF built it") == 1
+    # Two plans, both changed and out of memory, then the graph as it was built.
+    assert mine["modes"] == ["AUTO", "AUTO", "ANALYZE_ONLY"]
+    assert mine["changed"] == [True, True, False]
+    assert mine["losses"] == plain["losses"]
+    assert mine["weights"] == plain["weights"]
+    if mode == "function":
+        assert mine["original"] is True
+
+
+@pytest.mark.parametrize("cap_mb, tried", [
+    (32, True),   # the original's 35.3 MiB prediction is within 1.25x of 32 MiB: tried
+    (24, False),  # and far over 24 MiB: not tried
+])
+def test_the_graph_as_tf_built_it_is_tried_only_where_it_may_fit(cap_mb, tried):
+    result, log = _result(run_python(_AS_BUILT, TESTS, "guarded", AS_BUILT_BUDGET,
+                                     AS_BUILT_HOLD, env=_capped(cap_mb)))
+    assert result == {"out_of_memory": True}
+    assert ("running the call as TF built it" in log) == tried, log[-3000:]
+    assert ("as TF built it too, as it would without tfmemopt" in log) == tried
+
+
+def test_original_graph_may_train_only_for_a_changed_graph_within_reach_of_the_device():
+    report = tfmemopt.Report({
+        "graph_id": "g", "status": "ok", "failed_stage": "", "message": "", "mode": "AUTO",
+        "num_nodes": 1, "num_tensors": 1, "unresolved_tensors": 0, "graph_changed": True,
+        "stage_seconds": {}, "total_seconds": 0.0,
+        "devices": [{"device": "CPU:0", "budget_bytes": 80, "persistent_bytes": 0,
+                     "memory_bytes": 100, "peak_before_bytes": 125, "peak_after_bytes": 80,
+                     "top_tensors_at_peak": []}]})
+    assert feedback.original_graph_may_train(report, "CPU:0")  # 125 = 1.25 x 100
+    report.predicted_peak_bytes["before"]["CPU:0"] = 126
+    assert not feedback.original_graph_may_train(report, "CPU:0")
+    report.memory_bytes["CPU:0"] = 0  # unknown device memory: tried
+    assert feedback.original_graph_may_train(report, "CPU:0")
+    report.graph_changed = False  # the same graph would run out of memory the same way
+    assert not feedback.original_graph_may_train(report, "CPU:0")
+
+
 # Both Keras scripts below train this model: 24 Dense layers of 256 units.
 _KERAS_MODEL = r'''
 import json, sys
@@ -354,6 +437,10 @@ if mode == "enable":
     hog = tf.fill([int(sys.argv[3]) << 18], 1.0)
     tfmemopt.enable(budget=int(sys.argv[2]), enable_split=False, log_level=0,
                     fit_retries=int(sys.argv[4]), function_retries=FUNCTION_RETRIES)
+if mode == "as_built":
+    # Every plan holds argv[3] bytes it did not predict (test_only_hold_bytes).
+    tfmemopt.enable(budget=int(sys.argv[2]), test_only_hold_bytes=int(sys.argv[3]),
+                    fit_retries=int(sys.argv[4]), enable_split=False, log_level=0)
 if mode == "retry":
     hog = tf.fill([int(sys.argv[3]) << 18], 1.0)  # HOG_MB MiB held for the whole run
     callback = MemoryOptimizer(budget=int(sys.argv[2]), enable_split=False, log_level=0,
@@ -367,6 +454,8 @@ out = {"losses": [float(l).hex() for l in history.history["loss"]],
 if mode == "retry":
     out.update(retries=callback.retries_done,
                measured=callback.report.measured_peak_bytes if callback.report else None)
+if mode == "as_built":
+    out.update(modes=[r.mode for r in tfmemopt.reports()])
 if mode == "enable":
     out.update(graphs=[r.graph_id for r in tfmemopt.reports()],
                measured=[r.measured_peak_bytes for r in tfmemopt.reports()],
@@ -406,6 +495,21 @@ def test_keras_fit_under_enable_alone_retries_the_batch_and_equals_an_uncapped_f
     assert any(m for m in retried["measured"]), retried["measured"]
     assert retried["enabled_after"]
     assert retried["retry_keywords_after"] == {"fit_retries": RETRIES, "function_retries": 5}
+
+
+def test_keras_fit_under_enable_trains_as_keras_built_it_when_every_plan_runs_out():
+    """fit under enable(), every plan out of memory (test_only_hold_bytes, as above):
+    the batch runs as TF built Keras's step, and the fit equals a plain one."""
+    no_onednn = {"TF_ENABLE_ONEDNN_OPTS": "0"}  # see test_keras_fit_retries_the_batch...
+    env = {**_capped(AS_BUILT_CAP_MB + 4), **no_onednn}  # + the fit's dataset on the CPU
+    plain, _ = _result(run_python(_KERAS, "plain", env=env))
+    mine, log = _result(run_python(_KERAS, "as_built", AS_BUILT_BUDGET, AS_BUILT_HOLD, 1,
+                                   env=env))
+    assert log.count("retrying the batch (retry") == 1, log[-3000:]
+    assert log.count("running the batch as TF built it") == 1
+    assert mine["modes"][-1] == "ANALYZE_ONLY"
+    assert mine["losses"] == plain["losses"]
+    assert mine["weights"] == plain["weights"]
 
 
 def test_keras_fit_under_enable_with_fit_retries_0_runs_as_keras_runs_it():

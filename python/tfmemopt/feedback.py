@@ -211,18 +211,83 @@ def replan(what, report, error, peaks, retries_done, retries, retrying=True):
     is known to plan from, or when the plan had already missed its budget (a lower one
     gives the same plan). A retried step's record goes into `retries_done`."""
     record = next_budget(report, error, peaks)
-    if record["new_budget_bytes"] is None:
-        raise error
-    if _missed_budget(record):
-        # The planner already went as low as it could and missed the budget: the
-        # smallest peak it reached does not depend on the budget, so a re-plan under a
-        # lower one gives the same plan and runs out of memory again.
-        log_not_replanned(what, record)
+    if not _replannable(record):
+        if record["new_budget_bytes"] is not None:
+            log_not_replanned(what, record)
         raise error
     if retrying:
         retries_done.append(record)
     log_retry(what, record, len(retries_done) if retrying else None, retries)
     return record["new_budget_bytes"]
+
+
+def _replannable(record):
+    # When the planner already went as low as it could and missed the budget, the
+    # smallest peak it reached does not depend on the budget: a re-plan under a lower
+    # one gives the same plan and runs out of memory again.
+    return record["new_budget_bytes"] is not None and not _missed_budget(record)
+
+
+# The graph as TF built it is tried after the plans failed only where it may train:
+# its predicted peak within this factor of the device's memory. The memory model
+# over-predicts an unplanned step by up to 15 % on the models measured
+# (docs/accuracy.md); beyond that, the attempt would only run out of memory again.
+ORIGINAL_GRAPH_REACH = 1.25
+
+
+def after_failed_attempt(what, report, error, peaks, retries_done, retries):
+    """What to do after a guarded attempt of a step that the pass planned ran out of
+    memory (the wrapper has put its variables back): "replan" with the budget to plan
+    under, or "original": run the step as TF built it, without the pass's changes.
+    Raises `error` when neither can help.
+
+    Re-plans under lower budgets come first, up to `retries` of them. When they are
+    used up, or no lower budget can change the plan (it had already missed its
+    budget), a graph the pass changed is run once as TF built it, unless its
+    predicted peak is far over the device's memory (ORIGINAL_GRAPH_REACH): a step that
+    trains without tfmemopt then trains with it. Each decision is logged."""
+    record = next_budget(report, error, peaks)
+    if len(retries_done) < retries and _replannable(record):
+        retries_done.append(record)
+        log_retry(what, record, len(retries_done), retries)
+        return "replan", record["new_budget_bytes"]
+    if original_graph_may_train(report, record["device"]):
+        tf.get_logger().warning(
+            "tfmemopt: %s %s; running %s as TF built it, without tfmemopt's changes "
+            "(predicted peak %s, device memory %s): where that trains, tfmemopt leaves "
+            "this graph as it is", ran_out_of_memory(record),
+            (f"after {len(retries_done)} re-plan(s)" if len(retries_done) >= retries
+             else "with a plan that could not meet its budget"), what,
+            mib(report.predicted_peak_bytes["before"].get(record["device"])),
+            mib(_memory_bytes(report, record["device"])))
+        return "original", None
+    if record["new_budget_bytes"] is not None and _missed_budget(record):
+        log_not_replanned(what, record)
+    raise error
+
+
+def original_graph_may_train(report, device):
+    """Whether the graph as TF built it may train where `report`'s plan ran out of
+    memory on `device`: the pass changed it, and its predicted peak is within
+    ORIGINAL_GRAPH_REACH of the device's memory (or either is unknown)."""
+    if report is None or not report.graph_changed:
+        return False  # the same graph: it would run out of memory the same way
+    before = report.predicted_peak_bytes["before"].get(device)
+    memory = _memory_bytes(report, device)
+    return not (before and memory and before > ORIGINAL_GRAPH_REACH * memory)
+
+
+def log_original_failed(what, report, error):
+    """One WARNING line when the graph as TF built it ran out of memory too."""
+    record = next_budget(report, error, {})
+    tf.get_logger().warning(
+        "tfmemopt: %s as TF built it too, as it would without tfmemopt; not retrying "
+        "%s. Lower the batch size, or see docs/usage.md#when-a-plan-runs-out-of-memory.",
+        ran_out_of_memory(record), what)
+
+
+def _memory_bytes(report, device):
+    return report.memory_bytes.get(device) or None
 
 
 def step_own_peak(report, device, peak, in_use_before):

@@ -22,6 +22,10 @@ called eagerly while enable() is in force, so that the one line is enough:
   the call is retried with the same inputs, up to `function_retries` times. Each retry
   is logged. The lower budget is this function's (this trace's) for its later calls,
   until enable() is called with another config;
+* when the re-plans are used up, or no lower budget can change the plan, a graph the
+  pass changed is run once more as TF built it (feedback.after_failed_attempt), and
+  keeps running so where that trains: a step that trains without tfmemopt trains with
+  it;
 * each enable() starts the guarded calls of every function again, as TF re-plans a
   function on its next call under a new config (a function the pass had left alone
   may be planned then).
@@ -56,6 +60,8 @@ class _FunctionState:
         self.calls_since_plan = 0
         self.planned = None  # unknown until its first call
         self.budget_bytes = None  # its own budget after a retry
+        # Runs as TF built it (the pass in ANALYZE_ONLY) after its plans ran out of memory.
+        self.original = False
         self.retries_done = []  # under the config in force: counted against retries
         self.earlier_retries = []  # under earlier configs
 
@@ -75,7 +81,7 @@ def install(retries, guard_steps=feedback.DEFAULT_GUARD_STEPS, config_key=None):
         for state in _state.values():
             state.planned, state.calls_since_plan = None, 0
             if new_config:
-                state.budget_bytes = None
+                state.budget_bytes, state.original = None, False
                 state.earlier_retries += state.retries_done
                 state.retries_done = []
     _eager_context.set_call_handler(_handle_call if retries > 0 else None)
@@ -117,7 +123,7 @@ def _handle_call(function, args):
         if state.planned is not False and state.calls_since_plan < _settings["guard_steps"]:
             snapshot = _snapshot(function, args)
         try:
-            with _own_budget(config, state.budget_bytes), _eager_context.retrying_calls():
+            with _own_config(config, state), _eager_context.retrying_calls():
                 result = _eager_context.call_unhandled(function, args)
         except tf.errors.ResourceExhaustedError as error:
             report = feedback.planned_report(name) if snapshot is not None else None
@@ -125,10 +131,15 @@ def _handle_call(function, args):
                 _eager_context.tell_out_of_memory(function, error)
                 raise
             snapshot.restore()  # the failed attempt's updates never survive
-            if len(state.retries_done) >= _settings["retries"]:
-                raise  # the retries' lines said what was tried
-            state.budget_bytes = feedback.replan("the call", report, error, {},
-                                                 state.retries_done, _settings["retries"])
+            if state.original:
+                feedback.log_original_failed("the call", report, error)
+                raise
+            action, budget = feedback.after_failed_attempt(
+                "the call", report, error, {}, state.retries_done, _settings["retries"])
+            if action == "original":
+                state.original = True
+            else:
+                state.budget_bytes = budget
             state.calls_since_plan = 0
             continue
         if state.planned is None:
@@ -160,7 +171,9 @@ def _snapshot(function, args):
         return None
 
 
-def _own_budget(config, budget_bytes):
+def _own_config(config, state):
     from tfmemopt.retry import _NullContext, budget_edit
 
-    return _NullContext() if budget_bytes is None else budget_edit(config, budget_bytes)
+    if state.original:
+        return budget_edit(config, state.budget_bytes, original=True)
+    return _NullContext() if state.budget_bytes is None else budget_edit(config, state.budget_bytes)

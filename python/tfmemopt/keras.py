@@ -98,7 +98,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
       lower budget and retried with the same batch (0: never; see tfmemopt.feedback).
       The callback then reads each step's batches before the step (so that it can
       retry them) and calls Keras's one-batch step on them; a lowered budget is kept
-      for the rest of the fit and for later fits with this callback.
+      for the rest of the fit and for later fits with this callback. When the
+      re-plans are used up, or no lower budget can change the plan, the step is run
+      once more as TF built it, and keeps running so where that trains (`original`).
     guard_steps: how many steps after each (re)plan are measured (measured_peak_bytes
       in the report) and guarded by a host snapshot of the model's, the optimizer's
       and the metrics' variables, which a failed attempt may have updated. A guarded
@@ -132,6 +134,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self.retries = retries
         self.guard_steps = guard_steps
         self.budget_bytes = None  # lowered after a retry; kept for later steps and fits
+        # The train step runs as TF built it (the pass in ANALYZE_ONLY) after its plans
+        # ran out of memory; kept for later steps and fits, like budget_bytes.
+        self.original = False
         self.retries_done = []
         # Re-plans of steps that measured over their budget without running out of memory.
         self.calibrator = feedback.Calibrator(retries)
@@ -255,6 +260,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
             budget = self.budget_bytes
             for name in ("budget_bytes", "budget_fraction"):
                 fields.pop(name, None)
+        if self.original:
+            fields["mode"] = "ANALYZE_ONLY"
         # enable()'s retry keywords as they are: this callback is the fit's loop.
         tfmemopt.enable(budget, **tfmemopt._retry_keywords(), **fields)
 
@@ -305,9 +312,19 @@ class MemoryOptimizer(keras.callbacks.Callback):
                         "attempt and are not put back; the retried batch may differ "
                         "from a run that never ran out of memory.", len(created),
                         getattr(created[0], "path", created[0].name))
-                if len(self.retries_done) >= self.retries:
+                if self.original:
+                    feedback.log_original_failed("the batch", report, error)
                     raise
-                self._lower_budget(report, error, feedback.read_peaks(devices))
+                action, budget = feedback.after_failed_attempt(
+                    "the batch", report, error, feedback.read_peaks(devices),
+                    self.retries_done, self.retries)
+                if action == "original":
+                    self.original = True
+                else:
+                    self.budget_bytes = budget
+                self.calibrator.replanned()
+                self._steps_since_plan = 0
+                self._enable()
                 continue
             self._steps_since_plan += 1
             if devices:
@@ -316,7 +333,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 if planned and mine:  # this step traced (or re-instantiated) its graph
                     self._graph_of_shapes[shapes] = mine[-1].graph_id
                 report = self._report_for(shapes, mine)
-                if report is not None:
+                if report is not None and not self.original:
                     peaks = feedback.read_peaks(devices)
                     feedback.record_measured_peak(report, peaks)
                     replan = self.calibrator.after_step(

@@ -91,7 +91,8 @@ class Report:
     shape inference does not give, counted as empty), devices (list of device names),
     budget_bytes ({device: bytes}, 0 = unknown; the step's share: what is left of the
     budget once held_outside_bytes, memory the device held outside this graph when it
-    was planned, is taken), persistent_bytes ({device: bytes}),
+    was planned, is taken), persistent_bytes ({device: bytes}), memory_bytes
+    ({device: bytes}: the device's memory, 0 = unknown),
     predicted_peak_bytes ({'before': {device: bytes}, 'after': {...}}),
     top_tensors_at_peak (10 largest PeakTensor across devices), fits (bool or None;
     False also when the allocator model ran out of memory: to_dict()'s devices carry
@@ -156,6 +157,8 @@ class Report:
         self.devices = [d["device"] for d in devices]
         self.budget_bytes = {d["device"]: d["budget_bytes"] for d in devices}
         self.persistent_bytes = {d["device"]: d["persistent_bytes"] for d in devices}
+        # The device's memory the budget was taken from (0 where it is unknown).
+        self.memory_bytes = {d["device"]: d.get("memory_bytes", 0) for d in devices}
         # Held by the device's allocator when the graph was planned and not the graph's
         # own (count_memory_held_outside): budget_bytes is what was left of the budget.
         self.held_outside_bytes = {d["device"]: d.get("held_outside_bytes", 0) for d in devices}

@@ -17,6 +17,10 @@ pass with the config of tfmemopt.enable(); in addition:
   the function is re-planned under it, and the call is retried with the same inputs,
   up to `retries` times; each retry is logged and listed in `retries_done`. The lowered
   budget applies to this function only and is kept for its later calls;
+* when the re-plans are used up, or no lower budget can change the plan, a graph the
+  pass changed is run once more as TF built it (feedback.after_failed_attempt), and
+  keeps running so where that trains (`original` is then True): a step that trains
+  without tfmemopt trains with it;
 * when one of those calls succeeds but its own measured peak exceeds the budget its
   plan met on paper, the function is re-planned for the next calls under the budget
   less the measured error (feedback.Calibrator: at most `retries` times, undone on a
@@ -67,6 +71,8 @@ class Function:
         self.retries = retries
         self.guard_steps = guard_steps
         self.budget_bytes = None  # this function's own budget, after a retry
+        # Runs as TF built it (the pass in ANALYZE_ONLY) after its plans ran out of memory.
+        self.original = False
         self.retries_done = []    # one dict per retry: graph_id, device, budgets, missing
         # Re-plans of calls that measured over their budget without running out of memory.
         self.calibrator = feedback.Calibrator(retries)
@@ -138,14 +144,24 @@ class Function:
                     self._lower_budget(report, error, {}, retrying=False)
                     raise
                 snapshot.restore()  # the failed attempt's updates never survive
-                if len(self.retries_done) >= self.retries:
+                if self.original:
+                    feedback.log_original_failed("the step", report, error)
                     raise
-                self._lower_budget(report, error, feedback.read_peaks(devices) if devices else {})
+                action, budget = feedback.after_failed_attempt(
+                    "the step", report, error,
+                    feedback.read_peaks(devices) if devices else {}, self.retries_done,
+                    self.retries)
+                if action == "original":
+                    self.original = True
+                else:
+                    self.budget_bytes = budget
+                self.calibrator.replanned()
+                self._calls_since_plan = 0
                 continue
             self._calls_since_plan += 1
             if devices:
                 report = self._report(args, kwargs)
-                if report is not None:
+                if report is not None and not self.original:
                     peaks = feedback.read_peaks(devices)
                     feedback.record_measured_peak(report, peaks)
                     shapes = tuple(tuple(t.shape) for t in tf.nest.flatten((args, kwargs))
@@ -164,6 +180,8 @@ class Function:
     # --- helpers ---
 
     def _own_budget(self, config):
+        if self.original:
+            return budget_edit(config, self.budget_bytes, original=True)
         if self.budget_bytes is None:
             return _NullContext()
         return budget_edit(config, self.budget_bytes)
@@ -194,10 +212,15 @@ class Function:
         self._calls_since_plan = 0
 
 
-def budget_edit(config, budget_bytes):
+def budget_edit(config, budget_bytes, original=False):
     """A context in which the calling thread's graph functions are built with `config`
-    under `budget_bytes` instead of its budget."""
-    fields = {k: v for k, v in _fields_of(config).items() if k not in _BUDGET_FIELDS}
+    under `budget_bytes` instead of its budget (None: its own). `original`: with the
+    pass in ANALYZE_ONLY, so that they run as TF built them (and are still reported)."""
+    fields = _fields_of(config)
+    if budget_bytes is not None:
+        fields = {k: v for k, v in fields.items() if k not in _BUDGET_FIELDS}
+    if original:
+        fields["mode"] = "ANALYZE_ONLY"
     entry = custom_optimizer_entry(make_config(budget_bytes, **fields))
     return _eager_context.thread_config_edit(
         lambda proto: with_entry(proto.graph_options.rewrite_options, entry))
