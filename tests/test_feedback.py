@@ -183,14 +183,49 @@ def test_the_graph_as_tf_built_it_is_tried_only_where_it_may_fit(cap_mb, tried):
     assert ("as TF built it too, as it would without tfmemopt" in log) == tried
 
 
-def test_original_graph_may_train_only_for_a_changed_graph_within_reach_of_the_device():
-    report = tfmemopt.Report({
+def _planned(before, after, budget=80 << 20, memory=100 << 20):
+    """A report of a graph the pass changed: peaks `before` and `after` the plan."""
+    return tfmemopt.Report({
         "graph_id": "g", "status": "ok", "failed_stage": "", "message": "", "mode": "AUTO",
         "num_nodes": 1, "num_tensors": 1, "unresolved_tensors": 0, "graph_changed": True,
         "stage_seconds": {}, "total_seconds": 0.0,
-        "devices": [{"device": "CPU:0", "budget_bytes": 80, "persistent_bytes": 0,
-                     "memory_bytes": 100, "peak_before_bytes": 125, "peak_after_bytes": 80,
-                     "top_tensors_at_peak": []}]})
+        "devices": [{"device": "CPU:0", "budget_bytes": budget, "persistent_bytes": 0,
+                     "memory_bytes": memory, "peak_before_bytes": before,
+                     "peak_after_bytes": after, "top_tensors_at_peak": []}]})
+
+
+_OOM_1MIB = tf.errors.ResourceExhaustedError(
+    None, None, "OOM when allocating tensor with shape[256,1024] and type float on "
+    "/job:localhost/replica:0/task:0/device:CPU:0 by allocator bfc_cpu_allocator_for_gpu")
+
+
+@pytest.mark.parametrize("after, retries_done, retries, want", [
+    (78 << 20, 0, 3, "replan"),     # the plan met its budget: re-planned lower first
+    (78 << 20, 3, 3, "original"),   # re-plans used up: as TF built it
+    (90 << 20, 0, 3, "original"),   # missed its budget: a lower one changes nothing
+    (78 << 20, 0, 0, "raise"),      # retries=0: nothing is tried again
+])
+def test_after_a_failed_attempt_re_plans_then_runs_the_graph_as_tf_built_it(
+        after, retries_done, retries, want):
+    done = [{}] * retries_done
+    try:
+        action, budget = feedback.after_failed_attempt(
+            "the call", _planned(110 << 20, after), _OOM_1MIB, {}, done, retries)
+    except tf.errors.ResourceExhaustedError:
+        action, budget = "raise", None
+    assert action == want
+    if want == "replan":
+        assert budget < (78 << 20) * 0.951 and len(done) == 1  # 5 % under the prediction
+
+
+def test_a_graph_far_over_the_device_is_not_run_as_tf_built_it():
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        feedback.after_failed_attempt("the call", _planned(200 << 20, 90 << 20), _OOM_1MIB,
+                                      {}, [], 3)
+
+
+def test_original_graph_may_train_only_for_a_changed_graph_within_reach_of_the_device():
+    report = _planned(125, 80, budget=80, memory=100)
     assert feedback.original_graph_may_train(report, "CPU:0")  # 125 = 1.25 x 100
     report.predicted_peak_bytes["before"]["CPU:0"] = 126
     assert not feedback.original_graph_may_train(report, "CPU:0")

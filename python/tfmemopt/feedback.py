@@ -245,7 +245,10 @@ def after_failed_attempt(what, report, error, peaks, retries_done, retries):
     used up, or no lower budget can change the plan (it had already missed its
     budget), a graph the pass changed is run once as TF built it, unless its
     predicted peak is far over the device's memory (ORIGINAL_GRAPH_REACH): a step that
-    trains without tfmemopt then trains with it. Each decision is logged."""
+    trains without tfmemopt then trains with it. With `retries` 0 nothing is tried
+    again. Each decision is logged."""
+    if retries <= 0:
+        raise error
     record = next_budget(report, error, peaks)
     if len(retries_done) < retries and _replannable(record):
         retries_done.append(record)
