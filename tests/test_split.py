@@ -111,6 +111,27 @@ def test_a_budget_below_one_ops_working_set_is_met_by_micro_batches(seed_cnn):
     assert f"split: {len(slices)} ops run as {k} micro-batches" in text
 
 
+SPLIT_LOGGED = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import models, tfmemopt
+step, (x, y) = models.seed_cnn(256)
+before = tfmemopt.analyze(step, x, y, mode="ANALYZE_ONLY").predicted_peak_bytes["before"]["CPU:0"]
+report = tfmemopt.analyze(step, x, y, budget=int(0.3 * before))
+print("FITS", report.fits, bool(report.split_ops))
+"""
+
+
+def test_a_split_is_logged_as_a_warning_even_when_the_plan_fits():
+    """A split changes the order of weight-gradient sums: its line is a WARNING (seen
+    with TF's INFO lines off), and says so, also when the plan meets its budget."""
+    proc = run_python(SPLIT_LOGGED, BENCHMARKS, env={"TF_CPP_MIN_LOG_LEVEL": "1"})
+    assert "FITS True True" in proc.stdout, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if "TfMemOpt: graph" in l and " split " in l]
+    assert lines and all(l.startswith("W") for l in lines), proc.stderr[-3000:]
+    assert "(weight-gradient sums reordered: docs/split.md)" in lines[-1]
+
+
 def test_a_batch_too_small_for_two_aligned_slices_is_named_in_the_note():
     # Slices start at 64-byte-aligned rows: with the per-sample losses ([batch]
     # float32), multiples of 16 rows. A batch of 16 has one such slice.

@@ -349,7 +349,7 @@ std::string MemoryReport::Summary() const {
                     split.through_batch_statistics
                         ? " through batch statistics (gradients reordered: "
                           "docs/split.md#batch-statistics)"
-                        : "");
+                        : " (weight-gradient sums reordered: docs/split.md)");
     if (recompute.step_seconds > 0) {
       absl::StrAppend(&line, absl::StrFormat(" (+%.1f%% predicted)",
                                              100.0 * split.added_seconds /

@@ -400,7 +400,9 @@ class Explanation:
                 fits = ("its XLA-compiled call(s) " + ", ".join(r["xla_calls"])
                         + " not planned (unknown whether it fits)")
             lines.append(f"    {r['graph_id']}: {r['status']}, {r['num_nodes']} nodes, {fits}"
-                         + (", rewritten" if r["graph_changed"] else ""))
+                         + (", rewritten" if r["graph_changed"] else "")
+                         + (", batch split: weight-gradient sums in another order "
+                            "(docs/split.md)" if r.get("split") else ""))
         if self.not_seen:
             lines.append(f"  graph functions the pass never saw: {len(self.not_seen)}")
             for name, reason in list(self.not_seen.items())[-10:]:
@@ -441,6 +443,7 @@ def explain():
         sessions = _sessions_without_pass[0]
     graphs = [{"graph_id": r.graph_id, "status": r.status, "num_nodes": r.num_nodes,
                "fits": r.fits, "graph_changed": r.graph_changed,
+               "split": bool(r.split_ops),
                "xla_calls": xla_callers.get(r.graph_id, [])} for r in tfmemopt.reports()]
     return Explanation(enabled=tfmemopt.enabled_config() is not None,
                        in_this_thread=bool(entry), config=config, grappler=grappler,
