@@ -391,6 +391,65 @@ def test_einsum_holds_transposed_operands_and_its_unpermuted_result(
 
 
 
+
+_CONV_BACKPROP = r'''
+# Made by TF ops, so that they live in TF's allocator.
+x = tf.random.uniform([N, SIZE, SIZE, IN_DEPTH], seed=1)
+w = tf.random.uniform([K, K, IN_DEPTH, OUT_DEPTH], seed=2)
+dy = tf.random.uniform([N, SIZE // STRIDE, SIZE // STRIDE, OUT_DEPTH], seed=3)
+
+@tf.function
+def fn(x, w, dy):
+    return tf.raw_ops.OP(**ARGS, strides=[1, STRIDE, STRIDE, 1], padding="SAME")
+
+args = (x, w, dy)
+'''
+
+
+@pytest.mark.parametrize("op, n, size, in_depth, out_depth, k, stride, scratch", [
+    # The filter gradient: shard = ceil(30 MiB / 4 / (1024*288 + 1024*64 + 288*64))
+    # = 21 images of 1024 x 288 floats, whatever the batch.
+    ("Conv2DBackpropFilter", 128, 32, 32, 64, 3, 1, 21 * 1024 * 288 * 4),
+    ("Conv2DBackpropFilter", 8, 32, 32, 64, 3, 1, 21 * 1024 * 288 * 4),
+    # The input gradient: one image (a parallel contraction) where the work per
+    # thread is at least 256 KiB of floats ...
+    ("Conv2DBackpropInput", 128, 32, 32, 64, 3, 1, 1024 * 288 * 4),
+    # ... a shard of 67 images where it is not: 8x8 outputs, 3x3x64 patches,
+    # 128 filters (118784 floats of work, 59392 per thread on this machine's 2).
+    ("Conv2DBackpropInput", 128, 16, 64, 128, 3, 2, None),
+])
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_conv_backprop_without_onednn_holds_an_im2col_shard(
+        op, n, size, in_depth, out_depth, k, stride, scratch, onednn):
+    # tensorflow/core/kernels/conv_grad_filter_ops.cc and conv_grad_input_ops.h: TF's
+    # own CPU kernels fill a col_buffer of shard x output pixels x patch elements;
+    # oneDNN's (TF's default on x86) hold no such buffer.
+    if scratch is None:
+        import os
+        threads = os.cpu_count() or 1
+        work = 64 * 128 + 576 * 128 + 64 * 576  # ois * F + fts * F + ois * fts
+        scratch = 64 * 576 * 4 * (1 if work // threads >= (256 << 10) // 4
+                                  else -(-(30 << 20) // 4 // work))
+    args = ('dict(input=x, filter_sizes=tf.shape(w), out_backprop=dy)'
+            if op == "Conv2DBackpropFilter" else
+            'dict(input_sizes=tf.shape(x), filter=w, out_backprop=dy)')
+    code = (_CONV_BACKPROP.replace("OP", op).replace("ARGS", args).replace("N,", f"{n},")
+            .replace("SIZE", str(size)).replace("IN_DEPTH", str(in_depth))
+            .replace("OUT_DEPTH", str(out_depth)).replace("K,", f"{k},")
+            .replace("STRIDE", str(stride)))
+    result = measure_function(code, env={"TF_ENABLE_ONEDNN_OPTS": onednn})
+    tensors = 4 * (n * size * size * in_depth + k * k * in_depth * out_depth
+                   + n * (size // stride) ** 2 * out_depth)
+    out = 4 * (k * k * in_depth * out_depth if op == "Conv2DBackpropFilter"
+               else n * size * size * in_depth)
+    kernel = scratch if onednn == "0" else 0
+    assert result["live"] - result["persistent"] == pytest.approx(
+        tensors + out + kernel, abs=8192)
+    # TF's own peak holds the buffer too. (It can hold more: the filter gradient's
+    # Eigen contraction over a shard's images keeps partial sums the model does not
+    # count, 8.4 MiB in the first case; and below its first 2 MiB region BFC rounds.)
+    assert result["measured"] >= tensors + out + kernel - 8192
+
 _CONTROL = r'''
 x = tf.random.uniform([1 << 20], seed=1)  # 4 MiB
 

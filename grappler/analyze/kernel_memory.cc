@@ -13,6 +13,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/util/util.h"
+#include "tsl/platform/cpu_info.h"
 
 namespace tfmemopt {
 namespace {
@@ -381,6 +382,82 @@ int64_t XlaGroupedFilterGradScratch(const GraphProperties& properties, const Ten
   return scratch;
 }
 
+// ---------------------------------------------------------------------------
+// Conv2DBackpropFilter and Conv2DBackpropInput on the CPU without oneDNN: with
+// TF_ENABLE_ONEDNN_OPTS=0, or for a type oneDNN does not take on this CPU (half
+// without AVX-512 FP16: its layout pass logs "Falling back to the default
+// Eigen-based implementation"). TF's own kernels (Conv2DCustomBackpropFilterOp in
+// conv_grad_filter_ops.cc, Conv2DCustomBackpropInputOp in conv_grad_input_ops.h)
+// im2col a shard of images at a time into one temporary, `col_buffer`, of
+// shard x output_image_size x filter_total_size elements. The shard is sized to
+// fill a 30 MiB "L3 cache" with one image's matmul working set (work_unit_size):
+//   filter: shard = ceil((30 MiB / element) / work), work = ois * fts + ois * F + fts * F;
+//   input:  the same, except that one image at a time (shard 1, a parallel
+//           contraction) when the batch is 1 or the work per intra-op thread is at
+//           least a 256 KiB "L2 cache".
+// (ois: output rows x cols; fts: filter rows x cols x input depth; F: output depth.)
+// The shard is not capped by the batch. Measured with RunMetadata's per-kernel
+// temp_memory_size (FULL_TRACE) at six shapes, float and half, byte for byte:
+// e.g. [128, 32, 32, 32] -> 64 filters 3x3 holds 23.6 MiB in the filter gradient
+// and 1.1 MiB in the input gradient, where the oneDNN kernels hold none.
+
+constexpr int64_t kConvL3CacheBytes = int64_t{30} << 20;
+constexpr int64_t kConvL2CacheBytes = int64_t{256} << 10;
+
+// Whether TF runs the Conv2D backprop `node` with its own kernels (see above).
+bool UsesEigenConvBackprop(const NodeInfo& node, tensorflow::DataType dtype) {
+  // An unplaced node (a graph analyzed without devices) runs on the CPU here.
+  if (!node.device.empty() && !absl::StartsWith(node.device, "CPU")) return false;
+  if (node.def->attr().count("data_format") && node.def->attr().at("data_format").s() != "NHWC") {
+    return false;
+  }
+  static const bool onednn = tensorflow::IsMKLEnabled();
+  return !onednn || !tensorflow::IsDataTypeSupportedByOneDNNOnThisCPU(dtype);
+}
+
+// The col_buffer of a Conv2D backprop on TF's own CPU kernels, or 0.
+int64_t ConvBackpropScratch(const GraphProperties& properties, const TensorTable& table,
+                            const NodeInfo& node) {
+  const std::string& op = node.def->op();
+  const bool filter_grad = op == "Conv2DBackpropFilter";
+  if ((!filter_grad && op != "Conv2DBackpropInput") || node.inputs.size() < 3 ||
+      !node.def->attr().count("T")) {
+    return 0;
+  }
+  const tensorflow::DataType dtype = node.def->attr().at("T").type();
+  const int64_t element = tensorflow::DataTypeSize(dtype);
+  if (element <= 0 || !UsesEigenConvBackprop(node, dtype)) return 0;
+  // out_backprop [N, out_rows, out_cols, F]; the filter [rows, cols, in_depth, F] is
+  // the filter gradient's output, or the input gradient's input 1.
+  std::vector<int64_t> out_backprop, filter;
+  if (!InputDims(properties, table, node, 2, &out_backprop) || out_backprop.size() != 4) return 0;
+  if (filter_grad) {
+    if (!properties.HasOutputProperties(node.def->name())) return 0;
+    const auto& outputs = properties.GetOutputProperties(node.def->name());
+    if (outputs.empty() || outputs[0].shape().unknown_rank()) return 0;
+    for (const auto& dim : outputs[0].shape().dim()) filter.push_back(dim.size());
+  } else if (!InputDims(properties, table, node, 1, &filter)) {
+    return 0;
+  }
+  if (filter.size() != 4) return 0;
+  for (int64_t d : filter) {
+    if (d <= 0) return 0;
+  }
+  const int64_t batch = out_backprop[0];
+  const int64_t ois = out_backprop[1] * out_backprop[2];
+  const int64_t fts = filter[0] * filter[1] * filter[2];
+  const int64_t depth = filter[3];
+  if (ois <= 0 || batch <= 0) return 0;
+  const int64_t work = ois * fts + ois * depth + fts * depth;
+  const int64_t target = kConvL3CacheBytes / element;
+  int64_t shard = (target + work - 1) / work;
+  if (!filter_grad) {
+    const int64_t threads = std::max(1, tsl::port::MaxParallelism());
+    if (batch == 1 || work / threads >= kConvL2CacheBytes / element) shard = 1;
+  }
+  return shard * ois * fts * element;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -425,6 +502,8 @@ void EstimateKernelScratch(const GraphProperties& properties,
     } else if ((op == "MaxPoolGrad" || op == "MaxPoolGradV2") && node.inputs.size() >= 3 &&
         !UsesOneDnnWorkspace(*table, node)) {
       node.temp_bytes = MaxPoolGradScratchBytes(*table, node);
+    } else if (op == "Conv2DBackpropFilter" || op == "Conv2DBackpropInput") {
+      node.temp_bytes = ConvBackpropScratch(properties, *table, node);
     } else if (op == "Einsum" && node.def->attr().count("equation") && !node.outputs.empty()) {
       std::vector<std::vector<int64_t>> dims(node.inputs.size());
       bool known = true;

@@ -10,6 +10,10 @@
 //    int64 argmax as scratch (maxpooling_op.cc);
 //  * MaxPool with oneDNN: a workspace output read by MaxPoolGrad
 //    (mkl_maxpooling_op.cc);
+//  * Conv2DBackpropFilter and Conv2DBackpropInput on the CPU without oneDNN
+//    (TF_ENABLE_ONEDNN_OPTS=0, or half on a CPU oneDNN does not take it on): the
+//    im2col buffer of a shard of images (conv_grad_filter_ops.cc,
+//    conv_grad_input_ops.h);
 //  * Einsum: transposed copies of the operands, the contraction's result before
 //    its transpose to the output's layout, reduced and strided copies
 //    (linalg/einsum_op_impl.h);
