@@ -288,6 +288,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
             guarded = self._steps_since_plan < self.guard_steps
             snapshot = devices = None
             if guarded:
+                self._build_compiled_state(batches[0])
                 snapshot = feedback.VariableSnapshot(self._step_variables())
                 devices = feedback.memory_devices(None)
                 feedback.reset_peaks(devices)
@@ -371,6 +372,29 @@ class MemoryOptimizer(keras.callbacks.Callback):
         if not getattr(self.model, "built", True) or not variables:
             return
         optimizer.build(variables)
+
+    def _build_compiled_state(self, batch):
+        """Creates the compiled metrics' and loss's variables now, from `batch`'s
+        shapes, where Keras would create them in the first step: the snapshot that
+        guards that step must hold them, or a failed first attempt's updates would
+        count in the epoch's metrics (an accuracy over one batch more). Keras's own
+        `_symbolic_build` (what fit does under a distribution strategy) builds them
+        from symbolic shapes; only for a built model, so that nothing that draws
+        random numbers is built earlier than without the callback."""
+        model = self.model
+        metrics = getattr(model, "_compile_metrics", None)
+        loss = getattr(model, "_compile_loss", None)
+        if not ((metrics is not None and not metrics.built)
+                or (loss is not None and not loss.built)):
+            return
+        try:
+            if not getattr(model, "built", False) or not all(
+                    layer.built for layer in model._flatten_layers()):
+                return
+            with model.distribute_strategy.scope():
+                model._symbolic_build(data_batch=batch)
+        except Exception:  # noqa: BLE001 - Keras builds them in the step, as before
+            pass
 
     def _step_variables(self):
         model = self.model
