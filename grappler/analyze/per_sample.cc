@@ -34,6 +34,13 @@ bool FirstInputOp(const std::string& op) {
   return ops->count(op) > 0;
 }
 
+// Contractions the remapper fused with their bias, activation, batch norm or a
+// residual Add; inputs 2.. are the fused ops' arguments.
+bool FusedContraction(const std::string& op) {
+  return op == "_FusedConv2D" || op == "_FusedMatMul" || op == "_FusedDepthwiseConv2dNative" ||
+         op == "_FusedConv3D";
+}
+
 // Element-wise ops of several inputs: an input with the output's rank and batch is
 // cut, one broadcast along the batch (dimension 0 of size 1, or a lower rank) is
 // used whole.
@@ -100,6 +107,28 @@ class Classifier {
     return shape.size() < a_.shapes[out].size() || (!shape.empty() && shape[0] == 1);
   }
 
+  // The remapper's fused contractions take, after input and filter, the arguments of
+  // their fused ops (attr num_args): a bias or batch-norm vectors, used whole, and
+  // for an Add (a residual connection: MatMul + BiasAdd + Add, which TF's oneDNN
+  // remapper fuses) an addend of the output's shape, which is cut like input 0. A
+  // slice must never read the whole addend: oneDNN adds it in place into a slice's
+  // output of fewer rows. False when an argument's shape is neither.
+  bool FusedArgsBatchInputs(const NodeInfo& node, BatchUse* use) const {
+    if (node.outputs.empty() || !a_.shape_known[node.outputs[0]]) return false;
+    const size_t rank = a_.shapes[node.outputs[0]].size();
+    for (int port = 2; port < static_cast<int>(node.inputs.size()); ++port) {
+      const int t = node.inputs[port];
+      if (!a_.shape_known[t]) return false;
+      const std::vector<int64_t>& shape = a_.shapes[t];
+      if (shape.size() == rank && BatchShaped(t)) {
+        use->batch_inputs.push_back(port);
+      } else if (shape.size() == rank && !shape.empty() && shape[0] != 1) {
+        return false;  // as many rows as neither the batch nor one
+      }
+    }
+    return true;
+  }
+
   // The constant behind input `port` of `node`, if its producer is a Const.
   bool InputInts(const NodeInfo& node, int port, std::vector<int64_t>* values) const {
     if (port >= static_cast<int>(node.inputs.size())) return false;
@@ -124,6 +153,7 @@ class Classifier {
       if ((op == "MatMul" || op == "_FusedMatMul") && a_.shapes[node.inputs[0]].size() != 2) {
         return Not("shape");
       }
+      if (FusedContraction(op) && !FusedArgsBatchInputs(node, &use)) return Not("shape");
     } else if (op == "MatMul" && GetBool(*node.def, "transpose_a") &&
                !GetBool(*node.def, "transpose_b")) {
       // A^T B over the batch: the weight gradient of a dense layer.
