@@ -155,6 +155,24 @@ void DescribeDeviceMemory(const Cluster* cluster, DeviceReport* device) {
   }
 }
 
+// Logical CPU devices (tf.config.set_logical_device_configuration, as
+// MirroredStrategy on one machine uses them) all allocate from the process's one
+// CPU allocator: on the test bed, one BFC pool of TF_CPU_BFC_MEM_LIMIT_IN_MB. A graph
+// spanning N of them gets 1/N of that pool per device, so that the replicas' peaks,
+// which come together (they run in step), fit it together.
+void ShareCpuAllocator(std::vector<DeviceReport>* devices) {
+  int shared = 0;
+  for (const DeviceReport& device : *devices) {
+    shared += device.memory_source == "TF_CPU_BFC_MEM_LIMIT_IN_MB" ? 1 : 0;
+  }
+  if (shared < 2) return;
+  for (DeviceReport& device : *devices) {
+    if (device.memory_source != "TF_CPU_BFC_MEM_LIMIT_IN_MB") continue;
+    device.memory_bytes /= shared;
+    device.memory_shared_by = shared;
+  }
+}
+
 class StageRunner {
  public:
   StageRunner(const MemoryOptimizerOptions& options, MemoryReport* report)
@@ -461,6 +479,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       devices[d].device = table.devices[d];
       DescribeDeviceMemory(cluster, &devices[d]);
     }
+    ShareCpuAllocator(&devices);
     absl::Status s = TopologicalOrder(item.graph, table, &order);
     if (!s.ok()) return s;
     s = AnalyzeControlFlow(item.graph, table, order, &flow);
@@ -471,8 +490,10 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   for (size_t d = 0; d < devices.size(); ++d) {
     devices[d].peak_before_bytes = PredictedPeak(before.devices[d]);
     devices[d].allocator_refused_before_bytes = before.devices[d].allocator_refused_bytes;
-    devices[d].held_outside_bytes = HeldOutsideBytes(
-        table, devices[d].device, AllocatorBytesInUse(cluster, devices[d].device));
+    // Devices that share one allocator each take their share of what it holds.
+    int64_t in_use = AllocatorBytesInUse(cluster, devices[d].device);
+    if (in_use > 0) in_use /= std::max(1, devices[d].memory_shared_by);
+    devices[d].held_outside_bytes = HeldOutsideBytes(table, devices[d].device, in_use);
   }
   for (const NodeInfo& node : table.nodes) report->recompute.step_seconds += node.compute_seconds;
 

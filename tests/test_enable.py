@@ -1,6 +1,7 @@
 """tfmemopt.enable() reaches every place TF builds a training graph, and the pass
 reports what it found there without changing the results."""
 
+import json
 import threading
 
 import numpy as np
@@ -329,6 +330,44 @@ print("DEVICES", sorted(devices))
     result = run_python(code)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "DEVICES ['CPU:0', 'CPU:1']" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+def test_logical_cpus_on_one_capped_allocator_are_each_budgeted_their_share():
+    """Two logical CPUs allocate from the one BFC pool of the test bed: with the default
+    budget (0.9 of device memory), each replica of a MirroredStrategy step is planned
+    under 0.9 of half the pool, so that the two, which peak together, fit it."""
+    code = r'''
+import json, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tfmemopt
+tfmemopt.enable(log_level=0)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    w = tf.Variable(tf.ones([256, 256]) * 0.01)
+@tf.function
+def train_step(x):
+    def replica(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.matmul(x, w) ** 2)
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        return loss
+    return strategy.reduce("SUM", strategy.run(replica, args=(x,)), axis=None)
+train_step(tf.ones([64, 256]))
+report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train_step")][-1]
+print("DEVICES " + json.dumps({d["device"]: d for d in report.to_dict()["devices"]}))
+print(report.to_text())
+'''
+    result = run_python(code, env={"TF_CPU_ALLOCATOR_USE_BFC": "true",
+                                   "TF_CPU_BFC_MEM_LIMIT_IN_MB": "512"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = [l for l in result.stdout.splitlines() if l.startswith("DEVICES ")][-1]
+    devices = json.loads(line[len("DEVICES "):])
+    assert sorted(devices) == ["CPU:0", "CPU:1"]
+    for device in devices.values():
+        assert device["memory_bytes"] == 256 << 20 and device["memory_shared_by"] == 2
+        assert device["budget_bytes"] <= int(0.9 * (256 << 20))
+    assert "its share of one pool for 2 CPU devices" in result.stdout
 
 
 def test_one_info_line_per_graph(capfd):

@@ -165,6 +165,7 @@ std::string MemoryReport::ToJson() const {
     out << (i ? "," : "") << "{\"device\":" << Quote(d.device)
         << ",\"memory_bytes\":" << d.memory_bytes
         << ",\"memory_source\":" << Quote(d.memory_source)
+        << ",\"memory_shared_by\":" << d.memory_shared_by
         << ",\"budget_bytes\":" << d.budget_bytes
         << ",\"persistent_bytes\":" << d.persistent_bytes
         << ",\"peak_before_bytes\":" << d.peak_before_bytes

@@ -26,6 +26,9 @@ struct DeviceReport {
   std::string device;
   int64_t memory_bytes = 0;  // as the Grappler cluster reports it (0 = unknown)
   std::string memory_source;  // "cluster", "TF_CPU_BFC_MEM_LIMIT_IN_MB", "none"
+  // How many of the graph's devices share this device's allocator (logical CPUs on
+  // one BFC pool); memory_bytes is this device's share.
+  int memory_shared_by = 1;
   int64_t budget_bytes = 0;   // 0 = no budget known
   int64_t persistent_bytes = 0;
   // Predicted peak: as the device's allocator counts it (BFC chunks) where that is

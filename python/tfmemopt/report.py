@@ -311,6 +311,8 @@ class Report:
                 f" -> {format_bytes(d['peak_after_bytes'])}, budget {budget}"
                 f" (device memory {format_bytes(d['memory_bytes'])} from "
                 f"{d['memory_source']}"
+                + (f", its share of one pool for {d['memory_shared_by']} CPU devices"
+                   if d.get("memory_shared_by", 1) > 1 else "")
                 + (f", of which {format_bytes(d['held_outside_bytes'])} held outside this"
                    " graph when it was planned" if d.get("held_outside_bytes") else "")
                 + f"), persistent {format_bytes(d['persistent_bytes'])}"
