@@ -395,6 +395,12 @@ int64_t Overshoot(const MemoryPlan& plan, const MemoryPlannerOptions& planner) {
   return plan.feasible ? 0 : std::max<int64_t>(worst, 1);
 }
 
+// How far below a missed budget's reached peak the second search aims: 2.5 % of it,
+// and at least 1 MiB.
+int64_t ReplanStepBytes(int64_t peak) {
+  return std::max<int64_t>(int64_t{1} << 20, peak / 40);
+}
+
 // Plans with each min_tensor_bytes threshold of AdaptiveMinTensorBytesSteps in turn
 // until a plan fits, keeping the plan that comes closest to the budget. A lower
 // threshold is tried only when some tensor is newly admitted by it, and the cascade
@@ -432,6 +438,40 @@ absl::Status PlanWithAdaptiveThreshold(const MemoryOptimizerOptions& options,
       *used_threshold = thresholds[i];
     }
     if (plan->feasible || (!first && !better)) break;
+  }
+  // A search that misses its budget by much can come back with nothing where a
+  // looser budget finds a plan that lowers the peak: to cover a large excess the
+  // descent takes several candidates at once, and BFC's chunks can make them worth
+  // nothing. Then "the smallest peak reachable" would be the unchanged step's. So a
+  // plan that chose nothing is planned once more, under budgets just below its
+  // peak (a step of ReplanStepBytes), and kept when it comes closer to the budgets.
+  const bool chose_nothing = plan->recompute_nodes.empty() && plan->swap_tensors.empty() &&
+                             plan->loop_swap_lists.empty();
+  if (!plan->feasible && chose_nothing) {
+    MemoryPlannerOptions looser = planner;
+    bool loosened = false;
+    for (size_t d = 0; d < looser.budget_bytes.size() && d < plan->peak_bytes.size(); ++d) {
+      const int64_t peak = plan->peak_bytes[d];
+      if (looser.budget_bytes[d] <= 0 || peak <= looser.budget_bytes[d]) continue;
+      looser.budget_bytes[d] = std::max(looser.budget_bytes[d], peak - ReplanStepBytes(peak));
+      loosened = true;
+    }
+    if (loosened) {
+      MemoryPlan candidate;
+      PlannedRewrite candidate_rewrite;
+      SimulationResult candidate_simulation;
+      absl::Status status = PlanMemory(table, order, flow, looser, &candidate,
+                                       &candidate_rewrite, &candidate_simulation);
+      if (!status.ok()) return status;
+      simulations += candidate.simulations;
+      candidate.feasible = false;  // judged against the real budgets, which it misses
+      if (Overshoot(candidate, planner) < Overshoot(*plan, planner)) {
+        *plan = std::move(candidate);
+        *rewrite = std::move(candidate_rewrite);
+        *planned = std::move(candidate_simulation);
+        *used_threshold = looser.min_tensor_bytes;
+      }
+    }
   }
   plan->simulations = simulations;
   return absl::OkStatus();

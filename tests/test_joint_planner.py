@@ -6,13 +6,14 @@ The graph is a Keras CIFAR ResNet of 4 blocks (benchmarks/models.py), about 1,45
 nodes: too big for the exact search, so the greedy joint planner decides.
 """
 
+import json
 import os
 import sys
 
 import pytest
 import tfmemopt
 
-from conftest import BENCHMARKS, optimize, peak_before
+from conftest import BENCHMARKS, optimize, peak_before, run_python
 
 sys.path.insert(0, BENCHMARKS)
 import models  # noqa: E402
@@ -187,3 +188,40 @@ def test_auto_fits_whenever_one_mechanism_alone_fits_and_costs_no_more(seed):
                 assert seconds <= alone_seconds * (1 + 1e-9) + 1e-15, where
             elif not fits:
                 assert planned <= alone.to_dict()["devices"][0]["planned_peak_bytes"], where
+
+
+_ADAMW_FIT = r'''
+import json, sys
+import numpy as np, keras, tfmemopt
+tfmemopt.enable(budget=sys.argv[1], log_level=0, fit_retries=0)
+keras.utils.set_random_seed(18)
+model = keras.Sequential([keras.Input((64,))]
+                         + [keras.layers.Dense(1024, activation="relu") for _ in range(3)]
+                         + [keras.layers.Dense(1)])
+model.compile(keras.optimizers.AdamW(1e-3, gradient_accumulation_steps=4, use_ema=True,
+                                     clipnorm=1.0), "mse", metrics=["mae"])
+rng = np.random.default_rng(18)
+x = rng.standard_normal((512, 64)).astype("float32")
+y = rng.standard_normal((512, 1)).astype("float32")
+model.fit(x, y, batch_size=256, epochs=1, verbose=0)
+r = max(tfmemopt.reports(), key=lambda r: r.num_nodes)
+print("RESULT " + json.dumps([r.predicted_peak_bytes["before"]["CPU:0"],
+                              r.predicted_peak_bytes["after"]["CPU:0"]]))
+'''
+
+
+def test_a_tighter_budget_it_cannot_meet_reaches_no_higher_peak_than_a_looser_one():
+    """AdamW with gradient accumulation, EMA and clipping in Keras fit, on TF's BFC
+    allocator model: under 38.5 MiB the plan recomputes what brings the peak to about
+    39 MiB; under 30 MiB the search, asked to cover a larger excess, found nothing and
+    the report gave the unchanged step's peak as the smallest reachable."""
+    env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    peaks = {}
+    for budget in ("38.5MiB", "30MiB"):
+        proc = run_python(_ADAMW_FIT, budget, env=env)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        assert lines, proc.stderr[-3000:]
+        peaks[budget] = json.loads(lines[-1][len("RESULT "):])
+    before, looser = peaks["38.5MiB"]
+    assert looser < before  # the looser budget's plan lowers the peak
+    assert peaks["30MiB"][1] <= looser
