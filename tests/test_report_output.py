@@ -204,3 +204,21 @@ def test_html_over_budget_says_it_does_not_fit(cnn_data, tmp_path):
     assert report.fits is False
     assert "fits the budget: <b>no</b>" in text
     assert re.search(r'<tr class="device">.*<td>no</td></tr>', text)
+
+
+def _paced_unplanned(peak_after):
+    return Report({
+        "graph_id": "g", "status": "ok", "failed_stage": "", "message": "", "mode": "AUTO",
+        "num_nodes": 1, "num_tensors": 1, "unresolved_tensors": 0, "graph_changed": True,
+        "stage_seconds": {}, "total_seconds": 0.0,
+        "loop_pacing": {"edges": [["a", "b"]], "values": 1, "unplanned": True},
+        "devices": [{"device": "CPU:0", "budget_bytes": 100, "persistent_bytes": 0,
+                     "memory_bytes": 1000, "memory_source": "cluster",
+                     "peak_before_bytes": peak_after, "peak_after_bytes": peak_after,
+                     "top_tensors_at_peak": []}]})
+
+
+def test_the_pacing_line_says_the_graph_fits_only_when_it_does():
+    assert "the graph fits, but iterations" in _paced_unplanned(90).to_text()
+    text = _paced_unplanned(150).to_text()
+    assert "the graph fits" not in text and "the budget is not met" in text

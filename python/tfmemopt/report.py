@@ -385,8 +385,12 @@ class Report:
         edges = self.loop_pacing.get("edges", [])
         if not edges:
             return []
-        why = (" (nothing else planned: the graph fits, but iterations run ahead could "
-               "exceed the budget)" if self.loop_pacing.get("unplanned") else "")
+        why = ""
+        if self.loop_pacing.get("unplanned"):
+            why = (" (nothing else planned: the graph fits, but iterations run ahead could "
+                   "exceed the budget)" if self.fits else
+                   " (nothing else planned, and the budget is not met: iterations run ahead "
+                   "would take the peak further over it)")
         return [f"  loops: {len(edges)} ops wait for the carried value they are combined with "
                 f"({self.loop_pacing['values']} values), so that their results do not pile up "
                 f"iterations ahead{why}"]
