@@ -695,3 +695,4 @@ def test_tfmemopt_analyze_shows_the_split(tmp_path):
         result.stdout
     assert "slices tried (predicted peak): 2: " in result.stdout
     assert report["devices"][0]["peak_after_bytes"] <= 12 * 2**20
+

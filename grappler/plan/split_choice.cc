@@ -40,6 +40,13 @@ double AddedCompute(const TensorTable& table) {
   return seconds;
 }
 
+// Whether a split that misses the budget lowers the peak from `unsplit` enough to
+// be worth reordering sums: by 2 % of it, and at least 1 MiB. A smaller gain is
+// within what the prediction cannot tell apart (a near tie).
+bool ClearlyLower(int64_t peak, int64_t unsplit) {
+  return peak < unsplit - std::max<int64_t>(int64_t{1} << 20, unsplit / 50);
+}
+
 int64_t WorstPeak(const std::vector<int64_t>& peaks) {
   int64_t worst = 0;
   for (int64_t peak : peaks) worst = std::max(worst, peak);
@@ -365,13 +372,14 @@ absl::Status SearchSplits(const GrapplerItem& item, const TensorTable& table,
     return absl::OkStatus();
   }
   if (!best->result.fits && (best->result.excess >= unsplit_excess ||
-                              WorstPeak(best->result.peak_bytes) >= unsplit_peak)) {
+                              !ClearlyLower(WorstPeak(best->result.peak_bytes), unsplit_peak))) {
     // Splitting changes the order of the weight gradients' sums. A split that does
     // not fit either is worth that only when it beats the plan without splitting on
-    // every count: a lower predicted peak, and closer to fitting (allocator refusals
-    // included). Where the two disagree, the prediction cannot tell them apart.
-    out->note = WorstPeak(best->result.peak_bytes) >= unsplit_peak
-                    ? "no split lowers the predicted peak"
+    // every count: a predicted peak lower by more than a near tie, and closer to
+    // fitting (allocator refusals included). Where the two disagree, the prediction
+    // cannot tell them apart.
+    out->note = !ClearlyLower(WorstPeak(best->result.peak_bytes), unsplit_peak)
+                    ? "no split lowers the predicted peak by more than 2 %"
                     : "no split comes closer to fitting: the split with the lowest peak "
                       "has an allocator refusal that leaves it further from the budget";
     return absl::OkStatus();
@@ -423,7 +431,7 @@ absl::Status PlanSplit(const GrapplerItem& item, const TensorTable& table,
   if (!status.ok()) return status;
   const bool better = through.applied &&
                       (through.fits || !out->applied ||
-                       (through.excess < out->excess && through.peak < out->peak));
+                       (through.excess < out->excess && ClearlyLower(through.peak, out->peak)));
   if (!better) {
     out->trials.insert(out->trials.end(), through.trials.begin(), through.trials.end());
     const std::string why = through.applied ? "no split comes closer to fitting" : through.note;
