@@ -335,27 +335,39 @@ print("DEVICES", sorted(devices))
 def test_logical_cpus_on_one_capped_allocator_are_each_budgeted_their_share():
     """Two logical CPUs allocate from the one BFC pool of the test bed: with the default
     budget (0.9 of device memory), each replica of a MirroredStrategy step is planned
-    under 0.9 of half the pool, so that the two, which peak together, fit it."""
+    under 0.9 of half the pool, so that the two, which peak together, fit it; and the
+    step is guarded by enable()'s retry like any other."""
     code = r'''
 import json, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import tfmemopt
+import keras, tfmemopt
+from tfmemopt import function_guard
 tfmemopt.enable(log_level=0)
+guarded = []
+snapshot = function_guard._snapshot
+def watched(function, args):
+    made = snapshot(function, args)
+    guarded.append(made is not None)
+    return made
+function_guard._snapshot = watched
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 with strategy.scope():
     w = tf.Variable(tf.ones([256, 256]) * 0.01)
+    opt = keras.optimizers.SGD(0.1)
+    opt.build([w])
 @tf.function
 def train_step(x):
     def replica(x):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.matmul(x, w) ** 2)
-        w.assign_sub(0.1 * tape.gradient(loss, w))
+        opt.apply_gradients([(tape.gradient(loss, w), w)])  # an all-reduce
         return loss
     return strategy.reduce("SUM", strategy.run(replica, args=(x,)), axis=None)
 train_step(tf.ones([64, 256]))
 report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train_step")][-1]
 print("DEVICES " + json.dumps({d["device"]: d for d in report.to_dict()["devices"]}))
+print("GUARDED " + json.dumps(guarded))
 print(report.to_text())
 '''
     result = run_python(code, env={"TF_CPU_ALLOCATOR_USE_BFC": "true",
@@ -368,6 +380,10 @@ print(report.to_text())
         assert device["memory_bytes"] == 256 << 20 and device["memory_shared_by"] == 2
         assert device["budget_bytes"] <= int(0.9 * (256 << 20))
     assert "its share of one pool for 2 CPU devices" in result.stdout
+    # The replicated step is guarded (retried if it runs out of memory): the ordering
+    # tokens of its all-reduce are no state a retry would repeat.
+    line = [l for l in result.stdout.splitlines() if l.startswith("GUARDED ")][-1]
+    assert json.loads(line[len("GUARDED "):]) and all(json.loads(line[len("GUARDED "):]))
 
 
 def test_one_info_line_per_graph(capfd):

@@ -162,9 +162,21 @@ def _snapshot(function, args):
         return None
     try:
         variables = list(graph.variables)
-        handles = {id(getattr(var, "handle", None)) for var in variables}
-        if any(getattr(arg, "dtype", None) == tf.resource and id(arg) not in handles
-               for arg in args):
+        # A distributed variable (tf.distribute) is read through each replica's
+        # component: their handles are the variable's too, and they are put back with it.
+        handles = set()
+        for var in variables:
+            handles.add(id(getattr(var, "handle", None)))
+            for component in getattr(var, "values", None) or ():
+                handles.add(id(getattr(component, "handle", None)))
+        inputs = list(graph.inputs)
+        for i, arg in enumerate(args):
+            if getattr(arg, "dtype", None) != tf.resource or id(arg) in handles:
+                continue
+            # The ordering tokens of a replicated step's collectives (MirroredStrategy's
+            # all-reduce) only order them: a retry repeats nothing through them.
+            if i < len(inputs) and "ordering_token" in inputs[i].name:
+                continue
             return None
         return feedback.VariableSnapshot(variables)
     except Exception:  # noqa: BLE001 - a variable gone or unreadable: TF makes the call
