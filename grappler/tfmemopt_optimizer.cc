@@ -413,6 +413,29 @@ absl::Status PlanWithAdaptiveThreshold(const MemoryOptimizerOptions& options,
                                        int64_t* used_threshold) {
   const std::vector<int64_t> thresholds = AdaptiveMinTensorBytesSteps(options);
   int simulations = 0;
+  // Plans under `attempt` and takes that plan when `take(candidate)` says so
+  // (`*taken`); `judged_infeasible`: the plan misses the real budgets whatever it
+  // met.
+  auto plan_under = [&](const MemoryPlannerOptions& attempt, bool judged_infeasible,
+                        const std::function<bool(const MemoryPlan&)>& take,
+                        bool* taken) -> absl::Status {
+    MemoryPlan candidate;
+    PlannedRewrite candidate_rewrite;
+    SimulationResult candidate_simulation;
+    absl::Status status = PlanMemory(table, order, flow, attempt, &candidate,
+                                     &candidate_rewrite, &candidate_simulation);
+    if (!status.ok()) return status;
+    simulations += candidate.simulations;
+    if (judged_infeasible) candidate.feasible = false;
+    *taken = take(candidate);
+    if (*taken) {
+      *plan = std::move(candidate);
+      *rewrite = std::move(candidate_rewrite);
+      *planned = std::move(candidate_simulation);
+      *used_threshold = attempt.min_tensor_bytes;
+    }
+    return absl::OkStatus();
+  };
   for (size_t i = 0; i < thresholds.size(); ++i) {
     if (i > 0) {
       bool admits_more = false;
@@ -422,21 +445,12 @@ absl::Status PlanWithAdaptiveThreshold(const MemoryOptimizerOptions& options,
       if (!admits_more) continue;
     }
     planner.min_tensor_bytes = thresholds[i];
-    MemoryPlan candidate;
-    PlannedRewrite candidate_rewrite;
-    SimulationResult candidate_simulation;
-    absl::Status status = PlanMemory(table, order, flow, planner, &candidate,
-                                     &candidate_rewrite, &candidate_simulation);
-    if (!status.ok()) return status;
-    simulations += candidate.simulations;
     const bool first = i == 0;
-    const bool better = !first && Overshoot(candidate, planner) < Overshoot(*plan, planner);
-    if (first || better) {
-      *plan = std::move(candidate);
-      *rewrite = std::move(candidate_rewrite);
-      *planned = std::move(candidate_simulation);
-      *used_threshold = thresholds[i];
-    }
+    bool better = false;
+    absl::Status status = plan_under(planner, false, [&](const MemoryPlan& candidate) {
+      return first || Overshoot(candidate, planner) < Overshoot(*plan, planner);
+    }, &better);
+    if (!status.ok()) return status;
     if (plan->feasible || (!first && !better)) break;
   }
   // A search that misses its budget by much can come back with nothing where a
@@ -444,7 +458,8 @@ absl::Status PlanWithAdaptiveThreshold(const MemoryOptimizerOptions& options,
   // descent takes several candidates at once, and BFC's chunks can make them worth
   // nothing. Then "the smallest peak reachable" would be the unchanged step's. So a
   // plan that chose nothing is planned once more, under budgets just below its
-  // peak (a step of ReplanStepBytes), and kept when it comes closer to the budgets.
+  // peak (a step of ReplanStepBytes), and kept when it comes closer to the budgets
+  // (judged against them: it misses them).
   const bool chose_nothing = plan->recompute_nodes.empty() && plan->swap_tensors.empty() &&
                              plan->loop_swap_lists.empty();
   if (!plan->feasible && chose_nothing) {
@@ -456,22 +471,11 @@ absl::Status PlanWithAdaptiveThreshold(const MemoryOptimizerOptions& options,
       looser.budget_bytes[d] = std::max(looser.budget_bytes[d], peak - ReplanStepBytes(peak));
       loosened = true;
     }
-    if (loosened) {
-      MemoryPlan candidate;
-      PlannedRewrite candidate_rewrite;
-      SimulationResult candidate_simulation;
-      absl::Status status = PlanMemory(table, order, flow, looser, &candidate,
-                                       &candidate_rewrite, &candidate_simulation);
-      if (!status.ok()) return status;
-      simulations += candidate.simulations;
-      candidate.feasible = false;  // judged against the real budgets, which it misses
-      if (Overshoot(candidate, planner) < Overshoot(*plan, planner)) {
-        *plan = std::move(candidate);
-        *rewrite = std::move(candidate_rewrite);
-        *planned = std::move(candidate_simulation);
-        *used_threshold = looser.min_tensor_bytes;
-      }
-    }
+    bool taken = false;
+    absl::Status status = loosened ? plan_under(looser, true, [&](const MemoryPlan& candidate) {
+      return Overshoot(candidate, planner) < Overshoot(*plan, planner);
+    }, &taken) : absl::OkStatus();
+    if (!status.ok()) return status;
   }
   plan->simulations = simulations;
   return absl::OkStatus();
