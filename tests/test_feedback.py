@@ -799,7 +799,7 @@ keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((256,))] +
                          [keras.layers.Dense(256, activation="relu") for _ in range(24)] +
                          [keras.layers.Dense(1)])
-model.compile(keras.optimizers.Adam(1e-3), "mse")
+model.compile(keras.optimizers.Adam(1e-3), "mse", metrics=["mae"])
 rng = np.random.default_rng(0)
 x = rng.standard_normal((4 * 1024, 256)).astype(np.float32)
 y = rng.standard_normal((4 * 1024, 1)).astype(np.float32)
@@ -836,6 +836,7 @@ def test_the_keras_callback_carries_out_a_calibrators_replan_on_a_fresh_trace():
     assert later, "no new trace after the decision"
     assert all(g[0] != first[0] and g[1] == budget and g[2] < first[2] for g in later), later
     assert run["losses"] == plain["losses"]
+    assert run["mae"] == plain["mae"]
     assert run["weights"] == plain["weights"]
 
 

@@ -41,11 +41,10 @@ double AddedCompute(const TensorTable& table) {
 }
 
 // Whether a split that misses the budget lowers the peak from `unsplit` enough to
-// be worth reordering sums: by 2 % of it, and at least 1 MiB. A smaller gain is
-// within what the prediction cannot tell apart (a near tie).
-bool ClearlyLower(int64_t peak, int64_t unsplit) {
-  return peak < unsplit - std::max<int64_t>(int64_t{1} << 20, unsplit / 50);
-}
+// be worth reordering sums: by more than 2 % of it. A smaller gain is within what
+// the prediction cannot tell apart (a near tie). Relative only: a graph of a few
+// hundred KiB is split for the same reasons as one of a few GiB.
+bool ClearlyLower(int64_t peak, int64_t unsplit) { return peak < unsplit - unsplit / 50; }
 
 int64_t WorstPeak(const std::vector<int64_t>& peaks) {
   int64_t worst = 0;
