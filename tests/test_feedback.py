@@ -586,9 +586,17 @@ def test_the_failed_allocation_is_read_from_tfs_error():
     (100, 90, None, None, 86),    # 5 % of it when TF does not say
     (100, 90, 1, None, 86),       # and never less than 5 %
     (100, 90, 10, 50, 50),        # the allocator held 50 and could not add 10
+    (100, 90, 200, None, 1),      # missing more than the budget: the lowest plan
 ])
 def test_the_budget_goes_below_what_was_proven_too_much(budget, predicted, missing, in_use, want):
     assert feedback.lowered_budget(budget, predicted, missing, in_use) == want
+
+
+def test_a_log_line_never_reads_a_budget_of_0_0_mib():
+    assert feedback.mib(3 * 2**20) == "3.0 MiB"
+    assert feedback.mib(200 * 2**10) == "0.2 MiB"
+    assert feedback.mib(1) == "1 byte" and feedback.mib(5000) == "5000 bytes"
+    assert feedback.mib(None) == feedback.mib(0) == "unknown"
 
 
 _FIRST_SNAPSHOT = r'''

@@ -166,8 +166,13 @@ def next_budget(report, error, peaks):
 
 
 def mib(n):
-    """`n` bytes in MiB for a log line; "unknown" for None or 0."""
-    return f"{n / 2**20:.1f} MiB" if n else "unknown"
+    """`n` bytes in MiB for a log line ("N bytes" below 0.1 MiB, where one decimal of
+    MiB would read 0.0); "unknown" for None or 0."""
+    if not n:
+        return "unknown"
+    if n >= 0.1 * 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{int(n)} byte" + ("s" if n != 1 else "")
 
 
 def ran_out_of_memory(record):
