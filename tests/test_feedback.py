@@ -595,7 +595,7 @@ def test_the_budget_goes_below_what_was_proven_too_much(budget, predicted, missi
 def test_a_log_line_never_reads_a_budget_of_0_0_mib():
     assert feedback.mib(3 * 2**20) == "3.0 MiB"
     assert feedback.mib(200 * 2**10) == "0.2 MiB"
-    assert feedback.mib(1) == "1 byte" and feedback.mib(5000) == "5000 bytes"
+    assert feedback.mib(1) == "1 B" and feedback.mib(5000) == "4.88 KiB"
     assert feedback.mib(None) == feedback.mib(0) == "unknown"
 
 

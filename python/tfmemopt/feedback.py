@@ -32,6 +32,8 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from tfmemopt.report import format_bytes
+
 _lock = threading.Lock()
 _measured = {}  # graph_id -> {device: peak bytes}
 ERROR_TO_LOG = 0.05
@@ -166,13 +168,11 @@ def next_budget(report, error, peaks):
 
 
 def mib(n):
-    """`n` bytes in MiB for a log line ("N bytes" below 0.1 MiB, where one decimal of
-    MiB would read 0.0); "unknown" for None or 0."""
+    """`n` bytes in MiB for a log line (below 0.1 MiB, where one decimal of MiB would
+    read 0.0, as the report writes sizes); "unknown" for None or 0."""
     if not n:
         return "unknown"
-    if n >= 0.1 * 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{int(n)} byte" + ("s" if n != 1 else "")
+    return f"{n / 2**20:.1f} MiB" if n >= 0.1 * 2**20 else format_bytes(int(n))
 
 
 def ran_out_of_memory(record):
