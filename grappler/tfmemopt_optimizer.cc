@@ -468,7 +468,9 @@ absl::Status PlanWithAdaptiveThreshold(const MemoryOptimizerOptions& options,
     for (size_t d = 0; d < looser.budget_bytes.size() && d < plan->peak_bytes.size(); ++d) {
       const int64_t peak = plan->peak_bytes[d];
       if (looser.budget_bytes[d] <= 0 || peak <= looser.budget_bytes[d]) continue;
-      looser.budget_bytes[d] = std::max(looser.budget_bytes[d], peak - ReplanStepBytes(peak));
+      const int64_t aim = peak - ReplanStepBytes(peak);
+      if (aim <= looser.budget_bytes[d]) continue;  // the same budget: the same plan
+      looser.budget_bytes[d] = aim;
       loosened = true;
     }
     bool taken = false;
