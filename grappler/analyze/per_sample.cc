@@ -35,10 +35,10 @@ bool FirstInputOp(const std::string& op) {
 }
 
 // Contractions the remapper fused with their bias, activation, batch norm or a
-// residual Add; inputs 2.. are the fused ops' arguments.
+// residual Add (those the classifier cuts along input 0); inputs 2.. are the fused
+// ops' arguments.
 bool FusedContraction(const std::string& op) {
-  return op == "_FusedConv2D" || op == "_FusedMatMul" || op == "_FusedDepthwiseConv2dNative" ||
-         op == "_FusedConv3D";
+  return op == "_FusedConv2D" || op == "_FusedMatMul" || op == "_FusedDepthwiseConv2dNative";
 }
 
 // Element-wise ops of several inputs: an input with the output's rank and batch is
