@@ -830,8 +830,10 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     out.edges_shared = result.edges_shared;
     out.edges_removed = result.edges_removed;
     out.edges_moved = result.edges_moved;
+    out.partner_edges = result.partner_edges;
     out.unmerged = result.unmerged;
-    if (result.edges_shared + result.edges_removed + result.edges_moved == 0) {
+    if (result.edges_shared + result.edges_removed + result.edges_moved +
+            result.partner_edges == 0) {
       return absl::OkStatus();
     }
     s = analyze_output();

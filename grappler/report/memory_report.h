@@ -209,6 +209,7 @@ struct MergeGuardReport {
   bool kept = true;
   int pairs = 0;
   int edges_shared = 0, edges_removed = 0, edges_moved = 0;
+  int partner_edges = 0;  // rivals made to wait for a BiasAddGrad's merge partner
   std::vector<std::string> unmerged;
 };
 

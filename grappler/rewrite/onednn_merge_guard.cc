@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "tensorflow/core/framework/node_def.pb.h"
+#include "tensorflow/core/grappler/utils/topological_sort.h"
 
 namespace tfmemopt {
 namespace {
@@ -118,7 +119,25 @@ struct MergePair {
   std::string first, second;
   bool first_feeds_second = false;
   std::vector<std::string> control;  // the control inputs both have in the original
+  // Conv2DBackpropFilter + BiasAddGrad only: the other Conv2DBackpropFilter nodes that
+  // read the same gradient (the bias gradients of convolutions whose outputs are
+  // summed, e.g. a residual block's two branches, are one node after CSE).
+  std::vector<std::string> rivals;
 };
+
+// Each node's position in the order Grappler's meta-optimizer leaves the graph in
+// (TopologicalSort), or its GraphDef index if the graph has a cycle.
+std::vector<int> TopologicalRank(const GraphDef& graph) {
+  std::vector<int> rank(graph.node_size());
+  for (int i = 0; i < graph.node_size(); ++i) rank[i] = i;
+  std::vector<const NodeDef*> order;
+  if (!tensorflow::grappler::ComputeTopologicalOrder(graph, &order).ok()) return rank;
+  // NodeDefs of a RepeatedPtrField are allocated one by one: map them by address.
+  std::unordered_map<const NodeDef*, int> index;
+  for (int i = 0; i < graph.node_size(); ++i) index[&graph.node(i)] = i;
+  for (size_t i = 0; i < order.size(); ++i) rank[index.at(order[i])] = static_cast<int>(i);
+  return rank;
+}
 
 // The node whose output 0 is `second`'s input `slot`, if its op is one of `ops`.
 int ProducerOf(const GraphIndex& graph, const NodeDef& second, int slot,
@@ -134,37 +153,45 @@ int ProducerOf(const GraphIndex& graph, const NodeDef& second, int slot,
 // The pairs of `graph` that meet the layout pass's merge conditions on edges.
 std::vector<MergePair> MergeablePairs(const GraphDef& graph) {
   GraphIndex index(graph);
+  std::vector<int> rank;  // computed for the first BiasAddGrad
   std::vector<MergePair> pairs;
   for (int i = 0; i < graph.node_size(); ++i) {
     const NodeDef& node = graph.node(i);
     int first = -1;
     bool feeds = true;
+    std::vector<int> rivals;
     if (node.op() == "BiasAdd") {
       first = ProducerOf(index, node, 0, {"Conv2D"});
     } else if (node.op() == "Conv2D" || node.op() == "_FusedConv2D") {
       first = ProducerOf(index, node, 0, {"Pad"});
     } else if (node.op() == "BiasAddGrad" && node.input_size() > 0 &&
                !IsControl(node.input(0))) {
-      // GetConv2DBackpropFilterOrBiasAddGrad: a Conv2DBackpropFilter whose input 2
-      // is the same tensor as the BiasAddGrad's input 0.
+      // GetConv2DBackpropFilterOrBiasAddGrad: the first out-edge of the gradient's
+      // producer to a Conv2DBackpropFilter reading it as input 2. Out-edges are kept
+      // in the order the consumers were added to TF's Graph, which is the order of the
+      // GraphDef that Grappler returns: a topological sort.
       feeds = false;
       const auto gradient = ParseTensor(node.input(0));
       const int producer = index.Find(gradient.first);
       if (producer < 0) continue;
+      if (rank.empty()) rank = TopologicalRank(graph);
       for (const auto& [consumer, slot] : index.consumers(producer)) {
         const NodeDef& candidate = index.node(consumer);
         if (slot == 2 && candidate.op() == "Conv2DBackpropFilter" &&
             ParseTensor(candidate.input(2)) == gradient) {
-          first = consumer;
-          break;
+          rivals.push_back(consumer);
+          if (first < 0 || rank[consumer] < rank[first]) first = consumer;
         }
       }
+      rivals.erase(std::remove(rivals.begin(), rivals.end(), first), rivals.end());
     }
     if (first < 0) continue;
     if (feeds && index.consumers(first).size() != 1) continue;  // its one out-edge
     std::vector<std::string> control = ControlInputs(node);
     if (ControlInputs(index.node(first)) != control) continue;
-    pairs.push_back({index.node(first).name(), node.name(), feeds, std::move(control)});
+    MergePair pair{index.node(first).name(), node.name(), feeds, std::move(control), {}};
+    for (int rival : rivals) pair.rivals.push_back(index.node(rival).name());
+    pairs.push_back(std::move(pair));
   }
   return pairs;
 }
@@ -272,6 +299,33 @@ absl::Status KeepOneDnnMerges(const GraphDef& original, GraphDef* rewritten,
           ++result->edges_removed;
         }
         SetControlInputs(waiting, control);
+        stale = true;
+      }
+    }
+
+    if (!pair.rivals.empty()) {
+      // The same partner as in the original: a rival that the rewrite moved ahead of
+      // it in the topological sort would take the merge, and the bias gradient would
+      // come from another convolution's oneDNN primitive (other last bits). Each
+      // rival waits for the partner, unless it must run first (then it stays
+      // unmerged-as-before only by chance, and is listed).
+      index = std::make_unique<GraphIndex>(*rewritten);
+      stale = false;
+      const int partner = index->Find(pair.first);
+      const std::unordered_set<int> before_partner = index->Ancestors(partner);
+      for (const std::string& name : pair.rivals) {
+        const int rival = index->Find(name);
+        if (rival < 0) continue;
+        std::vector<std::string> control = ControlInputs(index->node(rival));
+        if (std::find(control.begin(), control.end(), pair.first) != control.end()) continue;
+        if (before_partner.count(rival)) {
+          result->unmerged.push_back(absl::StrCat(pair.first, " + ", pair.second, " (", name,
+                                                  " runs first)"));
+          continue;
+        }
+        control.push_back(pair.first);
+        SetControlInputs(rewritten->mutable_node(rival), control);
+        ++result->partner_edges;
         stale = true;
       }
     }

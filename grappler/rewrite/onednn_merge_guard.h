@@ -19,6 +19,12 @@
 // from the first node of a Conv2D + BiasAdd or Pad pair starts at the second
 // instead. A data edge added from the first node (a swap-out or a clone reading
 // it) is left and counted: the pair then runs unmerged.
+//
+// A BiasAddGrad whose gradient feeds several Conv2DBackpropFilter nodes (a residual
+// block's two convolutions: their bias gradients are one node after CSE) merges
+// with whichever comes first in the GraphDef Grappler returns, a topological sort.
+// The rewrite can reorder that sort; each other Conv2DBackpropFilter then waits for
+// the original partner (a control edge), so the partner stays the same.
 #ifndef TFMEMOPT_GRAPPLER_REWRITE_ONEDNN_MERGE_GUARD_H_
 #define TFMEMOPT_GRAPPLER_REWRITE_ONEDNN_MERGE_GUARD_H_
 
@@ -35,6 +41,7 @@ struct MergeGuardResult {
   int edges_shared = 0;       // control inputs added to a pair's other node
   int edges_removed = 0;      // control inputs taken back from a pair
   int edges_moved = 0;        // control out-edges moved from a first node to the second
+  int partner_edges = 0;      // rivals made to wait for a BiasAddGrad's merge partner
   std::vector<std::string> unmerged;  // pairs left unmerged by an added data edge
 };
 

@@ -126,8 +126,10 @@ class Report:
     Conv2DBackpropFilter + BiasAddGrad, kept mergeable so that they run the kernels they
     run without tfmemopt: kept (false when the plan fits its budget only with the order
     edges that break them, which it then keeps: those pairs' gradients sum in another
-    order), pairs, edges_shared, edges_removed, edges_moved, and unmerged, the pairs a
-    swap or a clone reading the first node leaves unmerged),
+    order), pairs, edges_shared, edges_removed, edges_moved, partner_edges (other
+    Conv2DBackpropFilter nodes of a gradient made to wait for its BiasAddGrad's merge
+    partner), and unmerged, the pairs a swap or a clone reading the first node leaves
+    unmerged),
     loop_pacing (values a loop would compute up to parallel_iterations iterations ahead
     of the carried value they are combined with, such as a recurrent layer's input
     projection and the terms of its weight gradients' sums, made to wait for that value:
