@@ -13,13 +13,17 @@ allocator (default threads, uncapped):
 
 A row compares the planned run with the plain one bit for bit (losses and every
 variable after three steps; where they differ, plain runs again, and a plain run that
-does not repeat itself is reported as such, not as a mismatch), notes a fall-back, and sets each prediction next to
+does not repeat itself is reported as such, not as a mismatch; then plain twice and
+planned once more with one inter-op thread, where TF runs one op at a time in an order
+fixed per graph, to tell a rewrite that changes values from one that only changes
+which ops overlap), notes a fall-back, and sets each prediction next to
 what was measured: unplanned (the report's peak before the plan against the plain
 run) and planned (the peak after the plan against the planned run; "fits" when the
 report says it meets the budget, the claim a user relies on).
 
 Usage: python benchmarks/unseen_models.py [--models NAME ...] [--ratio 0.6] [--json]
 With --json the last line is {"models": N, "bitwise_equal": N, "mismatches": [...],
+"mismatches_one_inter_op_thread": [...],
 "plain_not_repeatable": [...], "fallbacks": [...], "errors": [...], "max_abs_error_unplanned",
 "max_abs_error_planned_fits", "rows": {name: {...}}}.
 """
@@ -139,6 +143,8 @@ def child(name, budget):
     import tensorflow as tf
     from tfmemopt.demo import keras_train_step
 
+    if os.environ.get("UNSEEN_INTER_OP"):
+        tf.config.threading.set_inter_op_parallelism_threads(int(os.environ["UNSEEN_INTER_OP"]))
     keras.utils.set_random_seed(0)
     if budget:
         import tfmemopt
@@ -170,8 +176,10 @@ def child(name, budget):
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_child(name, budget, timeout=1800):
+def run_child(name, budget, timeout=1800, inter_op=None):
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
+    if inter_op:
+        env["UNSEEN_INTER_OP"] = str(inter_op)
     env.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16384")
     try:
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
@@ -202,13 +210,23 @@ def measure(name, ratio, log):
     report = planned["report"]
     planned_peak = max(planned["peaks"][1:]) if len(planned["peaks"]) > 1 else None
     same = planned["losses"] == plain["losses"] and planned["weights"] == plain["weights"]
+    one_thread = None
     if not same:
         # Only a plain run that repeats itself can be compared bit for bit.
         again = run_child(name, 0)
         if again.get("losses") != plain["losses"] or again.get("weights") != plain["weights"]:
             same = None
+        # With one inter-op thread TF runs one op at a time, in an order fixed per
+        # graph: plain and planned compared there tell a rewrite that changes values
+        # (a mismatch) from one that only changes which ops overlap.
+        alone = [run_child(name, b, inter_op=1) for b in (0, 0, int(ratio * peak))]
+        if all("error" not in r for r in alone):
+            if (alone[0]["losses"], alone[0]["weights"]) == (alone[1]["losses"],
+                                                            alone[1]["weights"]):
+                one_thread = (alone[2]["losses"], alone[2]["weights"]) == (
+                    alone[0]["losses"], alone[0]["weights"])
     row.update(
-        bitwise_equal=same,
+        bitwise_equal=same, one_inter_op_thread_equal=one_thread,
         fallback=report["status"] != "ok", changed=report["changed"],
         budget_bytes=report["budget"],
         unplanned={"predicted": report["before"], "measured": peak,
@@ -217,7 +235,9 @@ def measure(name, ratio, log):
                  "error": report["after"] / planned_peak - 1 if planned_peak else None,
                  "fits": report["after"] <= report["budget"]})
     verdict = {True: "bitwise equal", False: "DIFFERS", None: "plain TF differs between runs"}
-    log(f"{name}: {verdict[row['bitwise_equal']]}; unplanned "
+    alone = {None: "", True: " (equal with one inter-op thread)",
+             False: " (DIFFERS with one inter-op thread too)"}[one_thread]
+    log(f"{name}: {verdict[row['bitwise_equal']]}{alone}; unplanned "
         f"{report['before'] / 2**20:.1f} MiB predicted / {peak / 2**20:.1f} measured; planned "
         f"{report['after'] / 2**20:.1f} / {(planned_peak or 0) / 2**20:.1f} MiB "
         f"({'fits' if row['planned']['fits'] else 'over'} the budget)")
@@ -232,6 +252,9 @@ def summarize(rows):
     return {"models": len(rows),
             "bitwise_equal": sum(r["bitwise_equal"] is True for r in done.values()),
             "mismatches": sorted(n for n, r in done.items() if r["bitwise_equal"] is False),
+            # of those, the ones that also differ with one inter-op thread
+            "mismatches_one_inter_op_thread": sorted(
+                n for n, r in done.items() if r.get("one_inter_op_thread_equal") is False),
             "plain_not_repeatable": sorted(n for n, r in done.items()
                                            if r["bitwise_equal"] is None),
             "fallbacks": sorted(n for n, r in done.items() if r["fallback"]),

@@ -120,6 +120,8 @@ def unseen_models(record):
             continue
         u, p = m["unplanned"], m["planned"]
         equal = {True: "yes", False: "NO", None: "plain TF varies"}[m["bitwise_equal"]]
+        equal += {None: "", True: " (yes, one inter-op thread)",
+                  False: " (NO, one inter-op thread)"}[m.get("one_inter_op_thread_equal")]
         rows.append([name, equal,
                      mib(u["predicted"]), mib(u["measured"]), pct(u["error"]),
                      mib(m["budget_bytes"]), "yes" if p["fits"] else "no",
@@ -130,7 +132,9 @@ def unseen_models(record):
     return table(header, rows) + [
         "", f"{r['bitwise_equal']} of {r['models']} models bitwise equal"
             f"{'; plain TF does not repeat itself on ' + ', '.join(r['plain_not_repeatable']) if r.get('plain_not_repeatable') else ''}"
-            f"; mismatches: {', '.join(r['mismatches']) or 'none'}; fall-backs: "
+            f"; mismatches: {', '.join(r['mismatches']) or 'none'}"
+            f"{' (with one inter-op thread too: ' + (', '.join(r['mismatches_one_inter_op_thread']) or 'none') + ')' if 'mismatches_one_inter_op_thread' in r and r['mismatches'] else ''}"
+            f"; fall-backs: "
             f"{', '.join(r['fallbacks']) or 'none'}; largest error unplanned "
             f"{pct(r.get('max_abs_error_unplanned'), False)}, planned where the report says "
             f"it fits {pct(r.get('max_abs_error_planned_fits'), False)}."]
