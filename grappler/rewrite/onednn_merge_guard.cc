@@ -307,8 +307,10 @@ absl::Status KeepOneDnnMerges(const GraphDef& original, GraphDef* rewritten,
       // The same partner as in the original: a rival that the rewrite moved ahead of
       // it in the topological sort would take the merge, and the bias gradient would
       // come from another convolution's oneDNN primitive (other last bits). Each
-      // rival waits for the partner, unless it must run first (then it stays
-      // unmerged-as-before only by chance, and is listed).
+      // rival waits for the partner, unless the rewritten graph makes it run before
+      // the partner: then the rival takes the merge, and the pair is listed in
+      // `unmerged`. (Past kEdgeSetInline out-edges of the gradient TF keeps them in a
+      // hash set, and the partner is not decided by the order at all.)
       index = std::make_unique<GraphIndex>(*rewritten);
       stale = false;
       const int partner = index->Find(pair.first);
