@@ -12,7 +12,6 @@ predicted peak; each run is a fresh process on the capped BFC allocator.
 """
 
 import json
-import os
 
 from conftest import run_python
 
@@ -86,90 +85,3 @@ def test_control_edges_on_a_bias_gradient_keep_its_onednn_merge_and_results_bitw
                  if mine != digest]
     assert differing == []
 
-
-# ResNet50V2's first block of each stage sums two convolutions with biases (the
-# shortcut's and the residual branch's last one): after CSE their bias gradients are
-# one BiasAddGrad, which TF's layout pass merges with whichever of the two
-# Conv2DBackpropFilter nodes comes first in the GraphDef Grappler returns. The plan
-# below (swaps of small BatchNorm tensors among others) reorders that topological
-# sort; without the guard's partner edges conv2_block1_0's filter gradient took the
-# merge instead of conv2_block1_3's, and both biases got another primitive's sums.
-RESIDUAL_SCRIPT = r'''
-import sys
-import keras
-import numpy as np
-import tensorflow as tf
-
-keras.utils.set_random_seed(0)
-if sys.argv[1] == "tfmemopt":
-    import tfmemopt
-    tfmemopt.enable(budget=237700000, enable_split=False, log_level=0)
-model = keras.applications.ResNet50V2(weights=None, input_shape=(64, 64, 3), classes=10)
-loss_fn = keras.losses.SparseCategoricalCrossentropy()
-optimizer = keras.optimizers.Adam()
-rng = np.random.default_rng(0)
-x = tf.constant(rng.random((8, 64, 64, 3), dtype=np.float32))
-y = tf.constant(rng.integers(0, 10, size=(8,), dtype=np.int32))
-
-@tf.function
-def train_step(x, y):
-    with tf.GradientTape() as tape:
-        loss = loss_fn(y, model(x, training=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
-train_step(x, y)
-if sys.argv[1] == "tfmemopt":
-    import json
-    report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train_step")][-1]
-    print("MERGES " + json.dumps(report.onednn_merges))
-'''
-
-
-def final_graph(directory):
-    """The train step's graph as TF runs it: after Grappler, placement and the
-    oneDNN layout pass (TF's own dump of the partition)."""
-    import glob
-
-    import tensorflow as tf
-    from google.protobuf import text_format
-
-    [path] = glob.glob(os.path.join(directory, "*train_step*after_partition_passes*"))
-    graph = tf.compat.v1.GraphDef()
-    with open(path) as f:
-        text_format.Parse(f.read(), graph)
-    return {node.name: node for node in graph.node}
-
-
-def test_a_bias_gradient_shared_by_two_convolutions_keeps_its_merge_partner(tmp_path):
-    graphs, merges = {}, None
-    for mode in ("plain", "tfmemopt"):
-        env = dict(ENV, TF_DUMP_GRAPH_PREFIX=str(tmp_path / mode),
-                   TF_DUMP_GRAPH_NAME_FILTER="*", TF_DUMP_GRAPH_GROUPS="main")
-        result = run_python(RESIDUAL_SCRIPT, mode, env=env)
-        assert result.returncode == 0, result.stderr[-3000:]
-        if mode == "tfmemopt":
-            line = [l for l in result.stdout.splitlines() if l.startswith("MERGES ")][-1]
-            merges = json.loads(line[len("MERGES "):])
-        graphs[mode] = final_graph(str(tmp_path / mode))
-    plain, planned = graphs["plain"], graphs["tfmemopt"]
-
-    def source(name, graph):
-        """A data input, with a swap-in replaced by the tensor it swapped."""
-        node = graph.get(name.split(":")[0])
-        if node is not None and node.op == "TfMemSwapIn":
-            return graph[node.input[0].split(":")[0]].input[0]
-        return name
-
-    # Every node of the plain step runs the same kernel (merged or not) on the same
-    # tensors: the Adam updates read each bias gradient from the same merged node.
-    differing = []
-    for name, node in plain.items():
-        mine = planned.get(name)
-        inputs = [i for i in node.input if not i.startswith("^")]
-        if mine is None or mine.op != node.op or inputs != [
-                source(i, planned) for i in mine.input if not i.startswith("^")]:
-            differing.append((name, node.op, mine.op if mine is not None else None))
-    assert differing == []
-    assert merges["partner_edges"] > 0 and merges["unmerged"] == []
