@@ -194,6 +194,11 @@ def run_child(name, budget, timeout=1800, inter_op=None):
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def same_result(a, b):
+    """Two runs' losses and final weights are bitwise equal."""
+    return a.get("losses") == b.get("losses") and a.get("weights") == b.get("weights")
+
+
 def measure(name, ratio, log):
     plain = run_child(name, 0)
     row = {"steady_peak_bytes": None}
@@ -209,22 +214,20 @@ def measure(name, ratio, log):
             return row
     report = planned["report"]
     planned_peak = max(planned["peaks"][1:]) if len(planned["peaks"]) > 1 else None
-    same = planned["losses"] == plain["losses"] and planned["weights"] == plain["weights"]
+    same = same_result(planned, plain)
     one_thread = None
     if not same:
         # Only a plain run that repeats itself can be compared bit for bit.
-        again = run_child(name, 0)
-        if again.get("losses") != plain["losses"] or again.get("weights") != plain["weights"]:
+        if not same_result(run_child(name, 0), plain):
             same = None
         # With one inter-op thread TF runs one op at a time, in an order fixed per
         # graph: plain and planned compared there tell a rewrite that changes values
         # (a mismatch) from one that only changes which ops overlap.
-        alone = [run_child(name, b, inter_op=1) for b in (0, 0, int(ratio * peak))]
-        if all("error" not in r for r in alone):
-            if (alone[0]["losses"], alone[0]["weights"]) == (alone[1]["losses"],
-                                                            alone[1]["weights"]):
-                one_thread = (alone[2]["losses"], alone[2]["weights"]) == (
-                    alone[0]["losses"], alone[0]["weights"])
+        plain_1, again_1, planned_1 = [run_child(name, b, inter_op=1)
+                                       for b in (0, 0, int(ratio * peak))]
+        if all("error" not in r for r in (plain_1, again_1, planned_1)) and same_result(
+                plain_1, again_1):
+            one_thread = same_result(planned_1, plain_1)
     row.update(
         bitwise_equal=same, one_inter_op_thread_equal=one_thread,
         fallback=report["status"] != "ok", changed=report["changed"],
@@ -235,9 +238,9 @@ def measure(name, ratio, log):
                  "error": report["after"] / planned_peak - 1 if planned_peak else None,
                  "fits": report["after"] <= report["budget"]})
     verdict = {True: "bitwise equal", False: "DIFFERS", None: "plain TF differs between runs"}
-    alone = {None: "", True: " (equal with one inter-op thread)",
-             False: " (DIFFERS with one inter-op thread too)"}[one_thread]
-    log(f"{name}: {verdict[row['bitwise_equal']]}{alone}; unplanned "
+    one_thread_verdict = {None: "", True: " (equal with one inter-op thread)",
+                          False: " (DIFFERS with one inter-op thread too)"}[one_thread]
+    log(f"{name}: {verdict[row['bitwise_equal']]}{one_thread_verdict}; unplanned "
         f"{report['before'] / 2**20:.1f} MiB predicted / {peak / 2**20:.1f} measured; planned "
         f"{report['after'] / 2**20:.1f} / {(planned_peak or 0) / 2**20:.1f} MiB "
         f"({'fits' if row['planned']['fits'] else 'over'} the budget)")

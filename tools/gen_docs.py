@@ -129,11 +129,15 @@ def unseen_models(record):
     header = ["model", "bitwise equal", "predicted", "measured", "error",
               f"planned: budget ({r.get('ratio', 0.6)}x)", "says it fits", "predicted",
               "measured", "error"]
+    one_thread = ""
+    if r["mismatches"] and "mismatches_one_inter_op_thread" in r:
+        one_thread = (" (with one inter-op thread too: "
+                      f"{', '.join(r['mismatches_one_inter_op_thread']) or 'none'})")
     return table(header, rows) + [
         "", f"{r['bitwise_equal']} of {r['models']} models bitwise equal"
             f"{'; plain TF does not repeat itself on ' + ', '.join(r['plain_not_repeatable']) if r.get('plain_not_repeatable') else ''}"
             f"; mismatches: {', '.join(r['mismatches']) or 'none'}"
-            f"{' (with one inter-op thread too: ' + (', '.join(r['mismatches_one_inter_op_thread']) or 'none') + ')' if 'mismatches_one_inter_op_thread' in r and r['mismatches'] else ''}"
+            f"{one_thread}"
             f"; fall-backs: "
             f"{', '.join(r['fallbacks']) or 'none'}; largest error unplanned "
             f"{pct(r.get('max_abs_error_unplanned'), False)}, planned where the report says "

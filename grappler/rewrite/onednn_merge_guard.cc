@@ -311,7 +311,7 @@ absl::Status KeepOneDnnMerges(const GraphDef& original, GraphDef* rewritten,
       // the partner: then the rival takes the merge, and the pair is listed in
       // `unmerged`. (Past kEdgeSetInline out-edges of the gradient TF keeps them in a
       // hash set, and the partner is not decided by the order at all.)
-      index = std::make_unique<GraphIndex>(*rewritten);
+      if (stale) index = std::make_unique<GraphIndex>(*rewritten);
       stale = false;
       const int partner = index->Find(pair.first);
       const std::unordered_set<int> before_partner = index->Ancestors(partner);
