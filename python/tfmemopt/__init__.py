@@ -14,12 +14,15 @@ budget: model.fit(..., callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")]
 import json as _json
 import threading as _threading
 
+from tensorflow.core.protobuf import rewriter_config_pb2 as _rewriter_config_pb2
+
 from tfmemopt._loader import load_extension as _load_extension
 
 _ext = _load_extension()
 
 from tfmemopt import _eager_context, _keras_hook, function_guard  # noqa: E402
 from tfmemopt.config import (  # noqa: E402
+    MEMORY_OPTIMIZATION_LEVELS,
     PASS_NAME,
     MemoryOptimizerConfig,
     config_proto,
@@ -82,6 +85,34 @@ def enable(budget=None, *, fit_retries=3, function_retries=3, **fields):
         function_guard.install_for(config, function_retries)
     _keras_hook.watch_fit(_fit_callbacks)
     return config
+
+
+def set_tf_memory_optimization(level):
+    """Sets TF's built-in Grappler memory optimizer level (RewriterConfig's
+    memory_optimization, which TF2 offers no public API for) for every tf.function,
+    Keras fit and distribute graph traced afterwards, with or without enable().
+
+    level: one of tfmemopt.MEMORY_OPTIMIZATION_LEVELS ("NO_MEM_OPT", ...), or None for
+    TF's default. At its default level TF turns a large sum of three or more gradients
+    into AssignAdds that add each term as it finishes (Report.arrival_order_sums): its
+    last bits then follow the execution order, which differs from run to run with
+    several inter-op threads and which any memory rewrite changes. "NO_MEM_OPT" keeps
+    such sums AddNs, added in a fixed order (docs/design.md#arrival-order-sums). A v1
+    Session takes the level from its own ConfigProto
+    (graph_options.rewrite_options.memory_optimization).
+    """
+    if level is not None and level not in MEMORY_OPTIMIZATION_LEVELS:
+        raise ValueError(f"tfmemopt.set_tf_memory_optimization: level={level!r}; allowed: "
+                         f"None or one of {', '.join(MEMORY_OPTIMIZATION_LEVELS)}")
+    edit = None
+    if level is not None:
+        value = _rewriter_config_pb2.RewriterConfig.MemOptType.Value(level)
+
+        def edit(proto):
+            proto.graph_options.rewrite_options.memory_optimization = value
+
+    with _lock:
+        _eager_context.set_config_edit("memory_optimization", edit)
 
 
 def _retry_keywords():
@@ -164,9 +195,11 @@ __all__ = [
     "host_memory_stats",
     "keras",
     "make_config",
+    "MEMORY_OPTIMIZATION_LEVELS",
     "parse_size",
     "reports",
     "recompute_scope",
     "rewriter_config",
+    "set_tf_memory_optimization",
     "TrialError",
 ]

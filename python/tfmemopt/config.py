@@ -21,6 +21,10 @@ from tfmemopt._loader import load_extension
 _ext = load_extension()
 
 PASS_NAME = _ext.PASS_NAME
+# TF's built-in Grappler memory optimizer levels (RewriterConfig.MemOptType), by name.
+MEMORY_OPTIMIZATION_LEVELS = tuple(
+    rewriter_config_pb2.RewriterConfig.MemOptType.Name(v)
+    for v in rewriter_config_pb2.RewriterConfig.MemOptType.values())
 _DESCRIPTOR_FILE = os.path.join(os.path.dirname(__file__), "rewriter_config_ext.desc")
 
 

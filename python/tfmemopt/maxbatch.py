@@ -33,11 +33,8 @@ import sys
 import tempfile
 import time
 
-# The built-in Grappler memory optimizer levels (RewriterConfig.MemOptType), by name.
-MEMORY_OPTIMIZATION_LEVELS = (
-    "DEFAULT_MEM_OPT", "NO_MEM_OPT", "MANUAL", "SWAPPING_HEURISTICS",
-    "RECOMPUTATION_HEURISTICS", "SCHEDULING_HEURISTICS", "HEURISTICS",
-)
+from tfmemopt.config import MEMORY_OPTIMIZATION_LEVELS
+
 STRATEGIES = ("bisect", "grow")
 # tfmemopt.enable()'s own keywords, which a trial's fields may hold beside the config's.
 ENABLE_KEYWORDS = ("fit_retries", "function_retries")
@@ -896,17 +893,9 @@ def _child_main():
     step = args = None
     try:
         if config["memory_optimization"] is not None or config["fields"] is not None:
-            from tensorflow.core.protobuf import rewriter_config_pb2
-
-            from tfmemopt import _eager_context
             import tfmemopt
 
-            if config["memory_optimization"] is not None:
-                level = rewriter_config_pb2.RewriterConfig.MemOptType.Value(
-                    config["memory_optimization"])
-                _eager_context.set_config_edit(
-                    "memory_optimization", lambda proto: setattr(proto.graph_options.rewrite_options,
-                                          "memory_optimization", level))
+            tfmemopt.set_tf_memory_optimization(config["memory_optimization"])
             if config["fields"] is not None:
                 tfmemopt.enable(**config["fields"])
         make_step = _load_make_step(spec["ref"])
