@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grappler/analyze/arrival_order_sums.h"
 #include "grappler/analyze/control_flow.h"
 #include "grappler/analyze/executed_nodes.h"
 #include "grappler/analyze/initial_values.h"
@@ -943,6 +944,9 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
   report.graph_id = item.id;
   report.options = options_;
   report.num_nodes = item.graph.node_size();
+  // Whatever the pass does, the user learns where TF's own sums follow the execution
+  // order (a rewrite that changes the order changes their last bits).
+  report.arrival_order_sums = FindArrivalOrderSums(item.graph);
   StageRunner stages(options_, &report);
   absl::Status status;
   try {

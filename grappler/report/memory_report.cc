@@ -255,7 +255,12 @@ std::string MemoryReport::ToJson() const {
       << "},\"loop_pacing\":{\"values\":" << loop_pacing.values
       << ",\"edges\":" << EdgesJson(loop_pacing.edges)
       << ",\"unplanned\":" << (loop_pacing.unplanned ? "true" : "false")
-      << "},\"loops\":[";
+      << "},\"arrival_order_sums\":[";
+  for (size_t i = 0; i < arrival_order_sums.size(); ++i) {
+    out << (i ? "," : "") << "{\"name\":" << Quote(arrival_order_sums[i].name)
+        << ",\"terms\":" << arrival_order_sums[i].terms << "}";
+  }
+  out << "],\"loops\":[";
   for (size_t i = 0; i < loops.size(); ++i) {
     const LoopReport& loop = loops[i];
     out << (i ? "," : "") << "{\"frame\":" << Quote(loop.frame)

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "grappler/analyze/arrival_order_sums.h"
 #include "grappler/analyze/tensor_table.h"
 #include "grappler/memory_optimizer_options.h"
 #include "grappler/simulate/liveness_simulator.h"
@@ -258,6 +259,10 @@ struct MemoryReport {
   LoopPacingReport loop_pacing;
   std::vector<LoopReport> loops;
   int loop_swap_nodes = 0;  // nodes the loop swap added (swap-outs, swap-ins, triggers)
+  // Sums of the graph the pass was given that TF adds up in the order their terms
+  // finish (analyze/arrival_order_sums.h): their last bits follow the execution
+  // order, with or without the pass.
+  std::vector<ArrivalOrderSum> arrival_order_sums;
   // Timelines of the final graph and of the original one: per device, transient
   // bytes per step by role.
   std::vector<DeviceTimeline> timeline;

@@ -136,6 +136,12 @@ class Report:
     values (the carried values waited for), edges as [waited for, waiting] node
     names, and unplanned (true when nothing was planned: the graph fits its budget as
     predicted, but its loops running ahead could take it over); see docs/loops.md),
+    arrival_order_sums (sums in the graph the pass was given that TF adds up in the
+    order their terms finish, as [{name, terms}]: an AddN that TF's built-in memory
+    optimizer turned into AssignAdds to a TemporaryVariable, or an AccumulateNV2. Their
+    last bits follow the execution order, which differs from run to run with several
+    inter-op threads and which any rewrite changes; see
+    docs/design.md#arrival-order-sums),
     loops (per while-loop: its trip count, the TensorLists it fills, which of them were
     moved to host memory as they fill, with bytes and predicted copy time, and
     left_alone, why not; see docs/loops.md), stage_seconds, total_seconds.
@@ -188,6 +194,7 @@ class Report:
         self.order_guard = data.get("order_guard", {})
         self.onednn_merges = data.get("onednn_merges", {})
         self.loop_pacing = data.get("loop_pacing", {})
+        self.arrival_order_sums = data.get("arrival_order_sums", [])
         self.split = data.get("split", {})
         # Per while-loop: frame, backward, trip_count (+ trip_count_source),
         # parallel_iterations, left_alone (why nothing of it moved) and lists: the
@@ -356,6 +363,7 @@ class Report:
         lines.extend(self._schedule_lines())
         lines.extend(self._order_guard_lines())
         lines.extend(self._merge_lines())
+        lines.extend(self._arrival_order_lines())
         lines.extend(self._pacing_lines())
         lines.extend(self._split_lines())
         lines.extend(self._recompute_lines())
@@ -404,6 +412,17 @@ class Report:
         return [f"  oneDNN merges: the plan fits only with order edges that keep some of "
                 f"{merges['pairs']} mergeable pairs (e.g. Conv2DBackpropFilter + BiasAddGrad) "
                 f"apart, so their gradients sum in another order than without tfmemopt"]
+
+    def _arrival_order_lines(self):
+        sums = self.arrival_order_sums
+        if not sums:
+            return []
+        shown = ", ".join(f"{s['name']} ({s['terms']} terms)" for s in sums[:3])
+        shown += ", ..." if len(sums) > 3 else ""
+        return [f"  arrival-order sums: {len(sums)} ({shown}): TF adds their terms in the "
+                f"order they finish, so their last bits follow the execution order, with or "
+                f"without tfmemopt (tfmemopt.set_tf_memory_optimization('NO_MEM_OPT') keeps "
+                f"the AddNs TF's memory optimizer rewrites whole, added in a fixed order)"]
 
     def _order_guard_lines(self):
         og = self.order_guard

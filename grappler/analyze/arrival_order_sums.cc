@@ -1,0 +1,84 @@
+#include "grappler/analyze/arrival_order_sums.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/grappler/utils.h"
+
+namespace tfmemopt {
+namespace {
+
+using tensorflow::NodeDef;
+using tensorflow::grappler::IsControlInput;
+using tensorflow::grappler::NodeName;
+
+// The name of the first data input of `node`, or "" when it has none.
+std::string FirstDataInput(const NodeDef& node) {
+  if (node.input_size() == 0 || IsControlInput(node.input(0))) return "";
+  return NodeName(node.input(0));
+}
+
+int DataInputCount(const NodeDef& node) {
+  int count = 0;
+  for (const std::string& input : node.input()) {
+    if (!IsControlInput(input)) ++count;
+  }
+  return count;
+}
+
+std::string AttrString(const NodeDef& node, const std::string& key) {
+  const auto it = node.attr().find(key);
+  return it == node.attr().end() ? "" : it->second.s();
+}
+
+}  // namespace
+
+std::vector<ArrivalOrderSum> FindArrivalOrderSums(const tensorflow::GraphDef& graph) {
+  // A TemporaryVariable's ref reaches the AssignAdds directly or through the Assign
+  // that zeroes it (memory_optimizer.cc feeds them the Assign's output).
+  std::map<std::string, std::string> variable_of;  // node name -> TemporaryVariable
+  std::map<std::string, std::string> var_name_of;  // TemporaryVariable -> its var_name
+  for (const NodeDef& node : graph.node()) {
+    if (node.op() == "TemporaryVariable") {
+      variable_of[node.name()] = node.name();
+      var_name_of[node.name()] = AttrString(node, "var_name");
+    }
+  }
+  for (const NodeDef& node : graph.node()) {
+    if (node.op() != "Assign") continue;
+    const auto it = variable_of.find(FirstDataInput(node));
+    if (it != variable_of.end()) variable_of[node.name()] = it->second;
+  }
+  std::map<std::string, int> terms;  // TemporaryVariable -> AssignAdds into it
+  for (const NodeDef& node : graph.node()) {
+    if (node.op() != "AssignAdd") continue;
+    const auto it = variable_of.find(FirstDataInput(node));
+    if (it != variable_of.end()) ++terms[it->second];
+  }
+  std::map<std::string, std::string> destroyed_by;  // var_name -> DestroyTemporaryVariable
+  for (const NodeDef& node : graph.node()) {
+    if (node.op() == "DestroyTemporaryVariable") {
+      destroyed_by[AttrString(node, "var_name")] = node.name();
+    }
+  }
+  std::vector<ArrivalOrderSum> sums;
+  for (const NodeDef& node : graph.node()) {
+    if (node.op() == "AccumulateNV2" && DataInputCount(node) >= 3) {
+      sums.push_back({node.name(), DataInputCount(node)});
+      continue;
+    }
+    if (node.op() != "TemporaryVariable") continue;
+    const auto count = terms.find(node.name());
+    if (count == terms.end() || count->second < 3) continue;
+    // TemporaryVariable's var_name defaults to the node's name when empty.
+    std::string var_name = var_name_of[node.name()];
+    if (var_name.empty()) var_name = node.name();
+    const auto destroy = destroyed_by.find(var_name);
+    sums.push_back(
+        {destroy == destroyed_by.end() ? node.name() : destroy->second, count->second});
+  }
+  return sums;
+}
+
+}  // namespace tfmemopt
