@@ -16,14 +16,18 @@ variable after three steps; where they differ, plain runs again, and a plain run
 does not repeat itself is reported as such, not as a mismatch; then plain twice and
 planned once more with one inter-op thread, where TF runs one op at a time in an order
 fixed per graph, to tell a rewrite that changes values from one that only changes
-which ops overlap), notes a fall-back, and sets each prediction next to
+which ops overlap; and where the report names sums that TF adds in the order their
+terms finish (Report.arrival_order_sums), plain twice and planned once more with TF's
+memory optimizer off, tfmemopt.set_tf_memory_optimization("NO_MEM_OPT"), which keeps
+those sums AddNs added in a fixed order), notes a fall-back, and sets each prediction next to
 what was measured: unplanned (the report's peak before the plan against the plain
 run) and planned (the peak after the plan against the planned run; "fits" when the
 report says it meets the budget, the claim a user relies on).
 
 Usage: python benchmarks/unseen_models.py [--models NAME ...] [--ratio 0.6] [--json]
 With --json the last line is {"models": N, "bitwise_equal": N, "mismatches": [...],
-"mismatches_one_inter_op_thread": [...],
+"mismatches_one_inter_op_thread": [...], "arrival_order_sums": {name: [sum, ...]},
+"mismatches_fixed_order_sums": [...],
 "plain_not_repeatable": [...], "fallbacks": [...], "errors": [...], "max_abs_error_unplanned",
 "max_abs_error_planned_fits", "rows": {name: {...}}}.
 """
@@ -145,6 +149,10 @@ def child(name, budget):
 
     if os.environ.get("UNSEEN_INTER_OP"):
         tf.config.threading.set_inter_op_parallelism_threads(int(os.environ["UNSEEN_INTER_OP"]))
+    if os.environ.get("UNSEEN_TF_MEMORY_OPTIMIZATION"):
+        import tfmemopt
+
+        tfmemopt.set_tf_memory_optimization(os.environ["UNSEEN_TF_MEMORY_OPTIMIZATION"])
     keras.utils.set_random_seed(0)
     if budget:
         import tfmemopt
@@ -172,14 +180,17 @@ def child(name, budget):
                          "changed": report.graph_changed,
                          "before": report.predicted_peak_bytes["before"]["CPU:0"],
                          "after": report.predicted_peak_bytes["after"]["CPU:0"],
-                         "budget": report.budget_bytes["CPU:0"]}
+                         "budget": report.budget_bytes["CPU:0"],
+                         "arrival_order_sums": [s["name"] for s in report.arrival_order_sums]}
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_child(name, budget, timeout=1800, inter_op=None):
+def run_child(name, budget, timeout=1800, inter_op=None, tf_memory_optimization=None):
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
     if inter_op:
         env["UNSEEN_INTER_OP"] = str(inter_op)
+    if tf_memory_optimization:
+        env["UNSEEN_TF_MEMORY_OPTIMIZATION"] = tf_memory_optimization
     env.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16384")
     try:
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
@@ -215,7 +226,7 @@ def measure(name, ratio, log):
     report = planned["report"]
     planned_peak = max(planned["peaks"][1:]) if len(planned["peaks"]) > 1 else None
     same = same_result(planned, plain)
-    one_thread = None
+    one_thread = fixed_order = None
     if not same:
         # Only a plain run that repeats itself can be compared bit for bit.
         if not same_result(run_child(name, 0), plain):
@@ -228,8 +239,19 @@ def measure(name, ratio, log):
         if all("error" not in r for r in (plain_1, again_1, planned_1)) and same_result(
                 plain_1, again_1):
             one_thread = same_result(planned_1, plain_1)
+        # Sums TF adds in arrival order follow the execution order, which the rewrite
+        # changes; with TF's memory optimizer off they are AddNs, added in a fixed order.
+        if report.get("arrival_order_sums"):
+            plain_f, again_f, planned_f = [
+                run_child(name, b, tf_memory_optimization="NO_MEM_OPT")
+                for b in (0, 0, int(ratio * peak))]
+            if all("error" not in r for r in (plain_f, again_f, planned_f)) and same_result(
+                    plain_f, again_f):
+                fixed_order = same_result(planned_f, plain_f)
     row.update(
         bitwise_equal=same, one_inter_op_thread_equal=one_thread,
+        arrival_order_sums=report.get("arrival_order_sums", []),
+        fixed_order_sums_equal=fixed_order,
         fallback=report["status"] != "ok", changed=report["changed"],
         budget_bytes=report["budget"],
         unplanned={"predicted": report["before"], "measured": peak,
@@ -238,9 +260,12 @@ def measure(name, ratio, log):
                  "error": report["after"] / planned_peak - 1 if planned_peak else None,
                  "fits": report["after"] <= report["budget"]})
     verdict = {True: "bitwise equal", False: "DIFFERS", None: "plain TF differs between runs"}
-    one_thread_verdict = {None: "", True: " (equal with one inter-op thread)",
-                          False: " (DIFFERS with one inter-op thread too)"}[one_thread]
-    log(f"{name}: {verdict[row['bitwise_equal']]}{one_thread_verdict}; unplanned "
+    checks = [{True: "equal with one inter-op thread",
+               False: "DIFFERS with one inter-op thread too"}.get(one_thread),
+              {True: "equal with TF's sums in a fixed order",
+               False: "DIFFERS with TF's sums in a fixed order too"}.get(fixed_order)]
+    checks = "; ".join(c for c in checks if c)
+    log(f"{name}: {verdict[row['bitwise_equal']]}{f' ({checks})' if checks else ''}; unplanned "
         f"{report['before'] / 2**20:.1f} MiB predicted / {peak / 2**20:.1f} measured; planned "
         f"{report['after'] / 2**20:.1f} / {(planned_peak or 0) / 2**20:.1f} MiB "
         f"({'fits' if row['planned']['fits'] else 'over'} the budget)")
@@ -258,6 +283,11 @@ def summarize(rows):
             # of those, the ones that also differ with one inter-op thread
             "mismatches_one_inter_op_thread": sorted(
                 n for n, r in done.items() if r.get("one_inter_op_thread_equal") is False),
+            "arrival_order_sums": {n: r["arrival_order_sums"] for n, r in done.items()
+                                   if r.get("arrival_order_sums")},
+            # of the mismatches, the ones that also differ with TF's sums in a fixed order
+            "mismatches_fixed_order_sums": sorted(
+                n for n, r in done.items() if r.get("fixed_order_sums_equal") is False),
             "plain_not_repeatable": sorted(n for n, r in done.items()
                                            if r["bitwise_equal"] is None),
             "fallbacks": sorted(n for n, r in done.items() if r["fallback"]),
