@@ -13,6 +13,9 @@ using tensorflow::NodeDef;
 using tensorflow::grappler::IsControlInput;
 using tensorflow::grappler::NodeName;
 
+// (0 + a) + b == (0 + b) + a in floats: a sum's order shows from three terms on.
+constexpr int kMinOrderDependentTerms = 3;
+
 // The name of the first data input of `node`, or "" when it has none.
 std::string FirstDataInput(const NodeDef& node) {
   if (node.input_size() == 0 || IsControlInput(node.input(0))) return "";
@@ -64,13 +67,13 @@ std::vector<ArrivalOrderSum> FindArrivalOrderSums(const tensorflow::GraphDef& gr
   }
   std::vector<ArrivalOrderSum> sums;
   for (const NodeDef& node : graph.node()) {
-    if (node.op() == "AccumulateNV2" && DataInputCount(node) >= 3) {
+    if (node.op() == "AccumulateNV2" && DataInputCount(node) >= kMinOrderDependentTerms) {
       sums.push_back({node.name(), DataInputCount(node)});
       continue;
     }
     if (node.op() != "TemporaryVariable") continue;
     const auto count = terms.find(node.name());
-    if (count == terms.end() || count->second < 3) continue;
+    if (count == terms.end() || count->second < kMinOrderDependentTerms) continue;
     // TemporaryVariable's var_name defaults to the node's name when empty.
     std::string var_name = var_name_of[node.name()];
     if (var_name.empty()) var_name = node.name();
