@@ -120,8 +120,12 @@ def unseen_models(record):
             continue
         u, p = m["unplanned"], m["planned"]
         equal = {True: "yes", False: "NO", None: "plain TF varies"}[m["bitwise_equal"]]
-        equal += {None: "", True: " (yes, one inter-op thread)",
-                  False: " (NO, one inter-op thread)"}[m.get("one_inter_op_thread_equal")]
+        checks = [{True: "yes, one inter-op thread", False: "NO, one inter-op thread"}.get(
+                      m.get("one_inter_op_thread_equal")),
+                  {True: "yes, sums in a fixed order", False: "NO, sums in a fixed order"}.get(
+                      m.get("fixed_order_sums_equal"))]
+        checks = "; ".join(c for c in checks if c)
+        equal += f" ({checks})" if checks else ""
         rows.append([name, equal,
                      mib(u["predicted"]), mib(u["measured"]), pct(u["error"]),
                      mib(m["budget_bytes"]), "yes" if p["fits"] else "no",
@@ -133,11 +137,18 @@ def unseen_models(record):
     if r["mismatches"] and "mismatches_one_inter_op_thread" in r:
         one_thread = (" (with one inter-op thread too: "
                       f"{', '.join(r['mismatches_one_inter_op_thread']) or 'none'})")
+    fixed_order = ""
+    if "mismatches_fixed_order_sums" in r:
+        sums = r.get("arrival_order_sums", {})
+        fixed_order = (f"; TF adds sums in arrival order in "
+                       f"{', '.join(f'{n} ({len(v)})' for n, v in sums.items()) or 'none'}"
+                       f"; mismatches with those sums in a fixed order: "
+                       f"{', '.join(r['mismatches_fixed_order_sums']) or 'none'}")
     return table(header, rows) + [
         "", f"{r['bitwise_equal']} of {r['models']} models bitwise equal"
             f"{'; plain TF does not repeat itself on ' + ', '.join(r['plain_not_repeatable']) if r.get('plain_not_repeatable') else ''}"
             f"; mismatches: {', '.join(r['mismatches']) or 'none'}"
-            f"{one_thread}"
+            f"{one_thread}{fixed_order}"
             f"; fall-backs: "
             f"{', '.join(r['fallbacks']) or 'none'}; largest error unplanned "
             f"{pct(r.get('max_abs_error_unplanned'), False)}, planned where the report says "
