@@ -37,7 +37,9 @@ using tensorflow::grappler::GrapplerItem;
 // ReadVariableOp hands out the variable's own buffer (copy-on-write); loop
 // plumbing (Enter/Merge/Switch/NextIteration/Exit) and the TensorList update ops
 // pass their buffer through, and an element taken from a list is part of the
-// list's storage.
+// list's storage. DestroyTemporaryVariable hands out the temporary variable's
+// tensor as the sum (variable_ops.cc), the end of the running totals TF's memory
+// optimizer writes (analyze/arrival_order_sums.h).
 int ForwardedInput(const NodeDef& node, int port) {
   static const auto* same_port = new std::set<std::string>{
       "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
@@ -47,7 +49,7 @@ int ForwardedInput(const NodeDef& node, int port) {
   static const auto* first_output = new std::set<std::string>{
       "Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration",
       "Merge", "RefMerge", "TensorListPushBack", "TensorListPushBackBatch",
-      "TensorListSetItem", "TensorListPopBack"};
+      "TensorListSetItem", "TensorListPopBack", "DestroyTemporaryVariable"};
   if (same_port->count(node.op())) return port;
   if (node.op() == "Switch" || node.op() == "RefSwitch") return 0;  // both branches
   // An element read or popped from a TensorList is the list's own tensor (the
