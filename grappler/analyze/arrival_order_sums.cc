@@ -4,14 +4,17 @@
 #include <string>
 #include <vector>
 
+#include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/grappler/utils.h"
 
 namespace tfmemopt {
 namespace {
 
+using tensorflow::GetNodeAttrString;
 using tensorflow::NodeDef;
 using tensorflow::grappler::IsControlInput;
 using tensorflow::grappler::NodeName;
+using tensorflow::grappler::NumNonControlInputs;
 
 // (0 + a) + b == (0 + b) + a in floats: a sum's order shows from three terms on.
 constexpr int kMinOrderDependentTerms = 3;
@@ -20,19 +23,6 @@ constexpr int kMinOrderDependentTerms = 3;
 std::string FirstDataInput(const NodeDef& node) {
   if (node.input_size() == 0 || IsControlInput(node.input(0))) return "";
   return NodeName(node.input(0));
-}
-
-int DataInputCount(const NodeDef& node) {
-  int count = 0;
-  for (const std::string& input : node.input()) {
-    if (!IsControlInput(input)) ++count;
-  }
-  return count;
-}
-
-std::string AttrString(const NodeDef& node, const std::string& key) {
-  const auto it = node.attr().find(key);
-  return it == node.attr().end() ? "" : it->second.s();
 }
 
 }  // namespace
@@ -45,7 +35,7 @@ std::vector<ArrivalOrderSum> FindArrivalOrderSums(const tensorflow::GraphDef& gr
   for (const NodeDef& node : graph.node()) {
     if (node.op() == "TemporaryVariable") {
       variable_of[node.name()] = node.name();
-      var_name_of[node.name()] = AttrString(node, "var_name");
+      var_name_of[node.name()] = GetNodeAttrString(node, "var_name");
     }
   }
   for (const NodeDef& node : graph.node()) {
@@ -62,13 +52,14 @@ std::vector<ArrivalOrderSum> FindArrivalOrderSums(const tensorflow::GraphDef& gr
   std::map<std::string, std::string> destroyed_by;  // var_name -> DestroyTemporaryVariable
   for (const NodeDef& node : graph.node()) {
     if (node.op() == "DestroyTemporaryVariable") {
-      destroyed_by[AttrString(node, "var_name")] = node.name();
+      destroyed_by[GetNodeAttrString(node, "var_name")] = node.name();
     }
   }
   std::vector<ArrivalOrderSum> sums;
   for (const NodeDef& node : graph.node()) {
-    if (node.op() == "AccumulateNV2" && DataInputCount(node) >= kMinOrderDependentTerms) {
-      sums.push_back({node.name(), DataInputCount(node)});
+    if (node.op() == "AccumulateNV2") {
+      const int terms_added = NumNonControlInputs(node);
+      if (terms_added >= kMinOrderDependentTerms) sums.push_back({node.name(), terms_added});
       continue;
     }
     if (node.op() != "TemporaryVariable") continue;

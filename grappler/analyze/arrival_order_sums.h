@@ -8,7 +8,8 @@
 //    whose terms are live at the peak it estimates, when that peak is above 80 % of
 //    the device's memory (256 MiB for a CPU device, so most training steps of a
 //    real model). The pass sees the result: TemporaryVariable, its Assign from
-//    ZerosLike, one AssignAdd per term, DestroyTemporaryVariable named as the AddN.
+//    ZerosLike (a Const once constant folding has run), one AssignAdd per term,
+//    DestroyTemporaryVariable named as the AddN.
 //  - The graph pass that replaces AccumulateNV2 (accumulate_n_optimizer.cc, before
 //    placement) writes the same pattern, its accumulator zeroed from a Const; the
 //    Python grappler API (tfmemopt.analyze) skips that pass and hands the pass the

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "tensorflow/core/framework/attr_value.pb.h"
+#include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/grappler/utils.h"
@@ -31,16 +32,11 @@ absl::flat_hash_set<Key>& Initialized() {
 // Tells apart Consts of one name in different graphs.
 int64_t recorded_graphs = 0;
 
-std::string StringAttr(const tensorflow::NodeDef& node, const char* name) {
-  auto it = node.attr().find(name);
-  return it == node.attr().end() ? std::string() : it->second.s();
-}
-
 // A VarHandleOp names its variable by shared_name, or by its own name without one.
 Key KeyOf(const tensorflow::NodeDef& handle) {
-  std::string name = StringAttr(handle, "shared_name");
+  std::string name = tensorflow::GetNodeAttrString(handle, "shared_name");
   if (name.empty()) name = handle.name();
-  return {handle.device(), StringAttr(handle, "container"), name};
+  return {handle.device(), tensorflow::GetNodeAttrString(handle, "container"), name};
 }
 
 int64_t ConstBytes(const tensorflow::NodeDef& node) {
