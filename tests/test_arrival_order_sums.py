@@ -10,11 +10,15 @@ alone. The report names these sums; tfmemopt.set_tf_memory_optimization("NO_MEM_
 keeps them AddNs.
 """
 
+import json
+import os
+
 import pytest
 import tensorflow as tf
 from tensorflow.core.protobuf.rewriter_config_pb2 import RewriterConfig
 
 import tfmemopt
+from conftest import run_python
 from tfmemopt import _eager_context
 
 # Four terms of 48 MB: TF estimates a peak above 205 MiB (0.8 x 256 MiB), with all four
@@ -179,11 +183,6 @@ print("RESULT " + json.dumps({"predicted": report.predicted_peak_bytes["before"]
 
 
 def test_the_sum_a_running_total_hands_out_is_its_own_buffer():
-    import json
-    import os
-
-    from conftest import run_python
-
     done = run_python(MEASURE_RUNNING_TOTAL, os.path.dirname(os.path.abspath(__file__)),
                       env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"})
     lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
