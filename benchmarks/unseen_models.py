@@ -210,6 +210,15 @@ def same_result(a, b):
     return a.get("losses") == b.get("losses") and a.get("weights") == b.get("weights")
 
 
+def equal_where_plain_repeats(name, budget, **settings):
+    """Plain twice and planned once under `settings` (run_child's keywords): whether
+    planned equals plain, or None when a run fails or plain does not repeat itself."""
+    plain, again, planned = [run_child(name, b, **settings) for b in (0, 0, budget)]
+    if any("error" in r for r in (plain, again, planned)) or not same_result(plain, again):
+        return None
+    return same_result(planned, plain)
+
+
 def measure(name, ratio, log):
     plain = run_child(name, 0)
     row = {"steady_peak_bytes": None}
@@ -234,20 +243,12 @@ def measure(name, ratio, log):
         # With one inter-op thread TF runs one op at a time, in an order fixed per
         # graph: plain and planned compared there tell a rewrite that changes values
         # (a mismatch) from one that only changes which ops overlap.
-        plain_1, again_1, planned_1 = [run_child(name, b, inter_op=1)
-                                       for b in (0, 0, int(ratio * peak))]
-        if all("error" not in r for r in (plain_1, again_1, planned_1)) and same_result(
-                plain_1, again_1):
-            one_thread = same_result(planned_1, plain_1)
+        one_thread = equal_where_plain_repeats(name, int(ratio * peak), inter_op=1)
         # Sums TF adds in arrival order follow the execution order, which the rewrite
         # changes; with TF's memory optimizer off they are AddNs, added in a fixed order.
         if report.get("arrival_order_sums"):
-            plain_f, again_f, planned_f = [
-                run_child(name, b, tf_memory_optimization="NO_MEM_OPT")
-                for b in (0, 0, int(ratio * peak))]
-            if all("error" not in r for r in (plain_f, again_f, planned_f)) and same_result(
-                    plain_f, again_f):
-                fixed_order = same_result(planned_f, plain_f)
+            fixed_order = equal_where_plain_repeats(name, int(ratio * peak),
+                                                    tf_memory_optimization="NO_MEM_OPT")
     row.update(
         bitwise_equal=same, one_inter_op_thread_equal=one_thread,
         arrival_order_sums=report.get("arrival_order_sums", []),
