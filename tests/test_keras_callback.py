@@ -76,14 +76,19 @@ def test_fit_reports_the_train_step_and_recomputes_under_a_tight_budget(peak_wit
     report = callback.report
     assert report is not None and report.status == "ok"
     assert "one_step_on_data" in report.graph_id  # the batch is read before the step
-    assert [r.graph_id for r in callback.reports] == [report.graph_id]
+    # Only the train step's graph: its plan, and a re-plan under a lower budget when
+    # its first steps measured over the budget (the allocator's order varies by run).
+    assert {r.graph_id for r in callback.reports} == {report.graph_id}
+    first = callback.reports[0]
+    assert first.budget_bytes["CPU:0"] == budget
+    assert report.budget_bytes["CPU:0"] <= budget
     assert report.graph_changed
     assert report.recomputed_ops
-    assert report.budget_bytes["CPU:0"] == budget
     # (ANALYZE_ONLY and AUTO see the step after slightly different built-in passes.)
-    assert report.predicted_peak_bytes["before"]["CPU:0"] == pytest.approx(
+    assert first.predicted_peak_bytes["before"]["CPU:0"] == pytest.approx(
         peak_without_rewrite, rel=0.01)
-    assert report.predicted_peak_bytes["after"]["CPU:0"] <= budget
+    for planned in callback.reports:
+        assert planned.predicted_peak_bytes["after"]["CPU:0"] <= planned.budget_bytes["CPU:0"]
 
 
 def test_losses_are_bitwise_those_of_fit_without_the_callback(peak_without_rewrite):
@@ -245,6 +250,37 @@ def test_the_state_is_restored_when_fit_fails():
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=[MemoryOptimizer(log_level=0)])
     assert tfmemopt.enabled_config() is None
+
+
+class StopWithAnError(keras.callbacks.Callback):
+    """Stops fit with an exception from a callback, as TerminateOnNaN(raise_error=True)
+    does: Keras then skips every callback's on_train_end."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        raise RuntimeError("stopped by a callback")
+
+
+def test_the_state_is_restored_when_a_callback_stops_fit():
+    model = mlp()
+    with pytest.raises(RuntimeError, match="stopped by a callback"):
+        fit(model, [MemoryOptimizer(budget=1, log_level=0), StopWithAnError()], epochs=1)
+    assert tfmemopt.enabled_config() is None  # not left on for the script's next graphs
+    assert model.train_function.__name__ == "function"  # Keras's own, unwrapped
+
+
+def test_enable_is_as_it_was_when_a_callback_stops_fit():
+    before = tfmemopt.enable(budget=1, log_level=0)
+    try:
+        model = mlp()
+        with pytest.raises(RuntimeError, match="stopped by a callback"):
+            fit(model, [StopWithAnError()], epochs=1)
+        # The fit's own fields (its batch size as assume_batch_size) are gone: a later
+        # graph is planned under enable()'s config, not under this fit's.
+        assert tfmemopt.enabled_config() == before
+        assert model.train_function.__name__ == "function"
+        assert fit(model, epochs=1)  # the next fit trains
+    finally:
+        tfmemopt.disable()
 
 
 def test_the_callback_is_tfmemopt_keras_memory_optimizer():

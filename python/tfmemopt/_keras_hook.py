@@ -64,30 +64,63 @@ def watch(observer):
 _fit_callbacks = None
 
 
+# A callback with this method has it called when its fit ends, returned or raised:
+# Keras calls on_train_end only when training ends normally, not when a callback, the
+# data or the user (KeyboardInterrupt) stops it with an exception.
+AFTER_FIT = "_tfmemopt_after_fit"
+
+
+def _callbacks_of(callbacks):
+    """The callbacks of a fit's `callbacks` argument (a list, or Keras's CallbackList)."""
+    if callbacks is None:
+        return []
+    return list(getattr(callbacks, "callbacks", callbacks))
+
+
+def _after_fit(callbacks):
+    for callback in _callbacks_of(callbacks):
+        after = getattr(callback, AFTER_FIT, None)
+        if after is not None:
+            try:
+                after()
+            except Exception:  # noqa: BLE001 - the fit's own outcome is what the user sees
+                pass
+
+
 def _fit_observed(original):
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
         provider = _fit_callbacks
-        if provider is not None:
-            try:
-                bound = signature.bind(self, *args, **kwargs)
-                callbacks = bound.arguments.get("callbacks")
-                extra = provider(self, callbacks)
-                if extra:
-                    bound.arguments["callbacks"] = list(callbacks or []) + list(extra)
-                    args, kwargs = bound.args[1:], bound.kwargs
-            except Exception:  # noqa: BLE001 - fit runs as the user wrote it
-                pass
-        return original(self, *args, **kwargs)
+        callbacks = None
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+            callbacks = bound.arguments.get("callbacks")
+            extra = provider(self, callbacks) if provider is not None else None
+            if extra:
+                callbacks = bound.arguments["callbacks"] = list(callbacks or []) + list(extra)
+                args, kwargs = bound.args[1:], bound.kwargs
+        except Exception:  # noqa: BLE001 - fit runs as the user wrote it
+            pass
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _after_fit(callbacks)
 
     return fit
 
 
 def watch_fit(provider):
     """Calls provider(model, callbacks) at the start of every Keras `fit` (TensorFlow
-    backend) and adds the callbacks it returns to that fit (None stops)."""
+    backend) and adds the callbacks it returns to that fit (None stops). Every fit,
+    with or without a provider, calls its callbacks' AFTER_FIT method when it ends."""
     global _fit_callbacks
     _fit_callbacks = provider
+    _wrap_trainer_method("fit", _fit_observed)
+
+
+def wrap_fit():
+    """Makes every fit call its callbacks' AFTER_FIT method when it ends, whatever the
+    provider (a MemoryOptimizer given to fit without enable())."""
     _wrap_trainer_method("fit", _fit_observed)

@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 import tfmemopt
-from tfmemopt import _eager_context, feedback
+from tfmemopt import _eager_context, _keras_hook, feedback
 from tfmemopt.config import _is_repeated
 
 # The train step's graph: Keras's own (the iterator read in the graph), or, when the
@@ -126,6 +126,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
                  guard_steps=feedback.DEFAULT_GUARD_STEPS, **fields):
         super().__init__()
         tfmemopt.make_config(budget, **fields)  # the errors of tfmemopt.enable, now
+        # A fit that stops with an exception never calls on_train_end: the fit wrapper
+        # puts the state back then (_tfmemopt_after_fit).
+        _keras_hook.wrap_fit()
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"MemoryOptimizer: retries={retries!r}; allowed: an int >= 0")
         if not isinstance(guard_steps, int) or guard_steps < 1:
@@ -441,6 +444,12 @@ class MemoryOptimizer(keras.callbacks.Callback):
             return ("jit_compile=True (XLA compiles the train step)",
                     "jit_compile=False")
         return None
+
+    def _tfmemopt_after_fit(self):
+        """Called when the fit ends, however it ends (tfmemopt._keras_hook): a fit that
+        a callback, the data or the user stopped with an exception skips on_train_end,
+        and must not leave this fit's config enabled nor its train function wrapped."""
+        self._restore()
 
     def _restore(self):
         """Puts back the tfmemopt state from before this fit, once."""
