@@ -26,8 +26,11 @@ PYBIND11_MODULE(_ext, m) {
     throw py::import_error(std::string("tfmemopt: ") + std::string(status.message()));
   }
 
-  m.def("reports", &tfmemopt::PublishedReports,
-        "JSON reports of every graph optimized in this process, newest last.");
+  m.def("reports", &tfmemopt::PublishedReports, py::arg("start") = 0,
+        "JSON reports of every graph optimized in this process, newest last, from the "
+        "start-th on.");
+  m.def("num_reports", &tfmemopt::NumPublishedReports,
+        "How many reports reports() would return.");
   m.def("clear_reports", &tfmemopt::ClearPublishedReports);
   m.def(
       "set_eager_context",

@@ -436,12 +436,20 @@ int64_t PublishReport(int64_t token, const std::string& json) {
   return token;
 }
 
-std::vector<std::string> PublishedReports() {
+std::vector<std::string> PublishedReports(int64_t start) {
   Registry& registry = GetRegistry();
   std::lock_guard<std::mutex> lock(registry.mu);
   std::vector<std::string> out;
-  for (const auto& entry : registry.reports) out.push_back(entry.second);
+  for (size_t i = std::max<int64_t>(start, 0); i < registry.reports.size(); ++i) {
+    out.push_back(registry.reports[i].second);
+  }
   return out;
+}
+
+int64_t NumPublishedReports() {
+  Registry& registry = GetRegistry();
+  std::lock_guard<std::mutex> lock(registry.mu);
+  return static_cast<int64_t>(registry.reports.size());
 }
 
 void ClearPublishedReports() {

@@ -280,7 +280,9 @@ std::string FormatBytes(int64_t bytes);
 // Process-wide list of reports, newest last. A token names a graph's entry so that
 // the meta-optimizer's second iteration over the same graph replaces it.
 int64_t PublishReport(int64_t token, const std::string& json);
-std::vector<std::string> PublishedReports();
+// The reports from the start-th on (all of them by default).
+std::vector<std::string> PublishedReports(int64_t start = 0);
+int64_t NumPublishedReports();
 void ClearPublishedReports();
 
 }  // namespace tfmemopt
