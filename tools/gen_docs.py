@@ -155,6 +155,31 @@ def unseen_models(record):
             f"it fits {pct(r.get('max_abs_error_planned_fits'), False)}."]
 
 
+def keras_test_suite(record):
+    """Keras's own tests, plain and with the pass on: outcomes and what the pass did."""
+    r = record["result"]
+    fields = ", ".join(r["fields"]) or "none"
+    rows = [
+        ["tests", r["tests"]],
+        ["pass without tfmemopt", r["passed_plain"]],
+        ["pass with tfmemopt", r["passed_tfmemopt"]],
+        ["fail both ways (a module needs a package not installed, or a download)",
+         r["failed_both"]],
+        ["broken by tfmemopt", len(r["broken_by_tfmemopt"])],
+        ["flaky (failed once with tfmemopt, passed alone both ways)", len(r["flaky"])],
+        ["graphs planned", r["graphs"]],
+        ["graphs changed", r["changed"]],
+        ["tensors swapped, ops recomputed, graphs split",
+         f"{r['swapped_tensors']}, {r['recomputed_ops']}, {r['split_graphs']}"],
+        ["fall-backs to the original graph", r["fallbacks"]],
+    ]
+    lines = table([f"Keras {r['keras']}, budget {r['budget']} B, fields {fields}", ""], rows)
+    named = [f"broken: {t}" for t in r["broken_by_tfmemopt"]] + [
+        f"flaky: {t}" for t in r["flaky"]] + [
+        f"fall-back: {m}" for m in r["fallback_messages"]]
+    return lines + ([""] + [f"- {n}" for n in named] if named else [])
+
+
 def max_batch(key_base, key_swap, key_auto, what):
     def render(record):
         r = record["result"]
@@ -418,6 +443,7 @@ RENDERERS = {
     ("v1_graphs", None): v1_graphs,
     ("peak_accuracy", None): peak_accuracy,
     ("unseen_models", None): unseen_models,
+    ("keras_test_suite", None): keras_test_suite,
     ("resnet50_lms", None): max_batch("max_batch_baseline", "max_batch_tfmemopt",
                                       "max_batch_auto", "batch"),
     ("deep_resnet", None): max_batch("max_depth_baseline", "max_depth_tfmemopt",
