@@ -108,6 +108,7 @@ def test_a_suite_passes_with_every_rewrite_a_one_byte_budget_forces(tmp_path):
     assert "2 passed" in proc.stdout
     assert "= tfmemopt =" in proc.stdout.replace("==", "=")
     (record,) = summary_records(summary)
+    assert record["process"] == "total"
     assert record["graphs"] >= 2  # the tf.function step and fit's train function
     assert record["changed"] >= 1
     assert record["swapped_tensors"] + record["recomputed_ops"] > 0

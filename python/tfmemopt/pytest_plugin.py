@@ -15,8 +15,8 @@ point: pytest runs never load it unless asked.
 device memory ("0.5"); default: enable()'s (budget_fraction 0.9).
 --tfmemopt-field: a field of tfmemopt.MemoryOptimizerConfig; the value is read as JSON
 when it parses ("false", "0", '["scope/"]'), else as a string. Repeatable.
---tfmemopt-summary: appends one JSON object per process (each xdist worker's, and the
-totals) to FILE.
+--tfmemopt-summary: appends JSON objects to FILE: one per xdist worker ("process":
+"worker"), then the session's ("process": "total").
 
 At the end pytest prints what the pass did over the session: graphs planned, graphs
 changed, tensors swapped, ops recomputed, graphs split, and the graphs where a stage
@@ -26,7 +26,6 @@ never fails a test (the original graph is correct), but it is a tfmemopt bug.
 
 import collections
 import json
-import os
 
 import pytest
 
@@ -164,7 +163,7 @@ def pytest_terminal_summary(terminalreporter, config):
     if path:
         for worker in workers:
             _append(path, {"process": "worker", **worker})
-        _append(path, {"process": "total" if workers else f"main {os.getpid()}", **summary})
+        _append(path, {"process": "total", **summary})
     write = terminalreporter.write_line
     terminalreporter.section("tfmemopt")
     write(f"{summary['graphs']} graphs planned, {summary['changed']} changed "
