@@ -42,9 +42,9 @@ def analyze_metagraph(metagraph, budget=None, **fields):
     # Bodies of functions Grappler hands the pass as stubs (XLA-compiled calls).
     from tfmemopt._eager_context import hand_over_function_bodies
     hand_over_function_bodies()
-    before = len(_config._ext.reports())
+    before = _config._ext.num_reports()
     tf_optimizer.OptimizeGraph(config, metagraph, cluster=cluster)
-    new = [json.loads(text) for text in _config._ext.reports()[before:]]
+    new = [json.loads(text) for text in _config._ext.reports(before)]
     mine = [data for data in new if data["graph_id"] == _ITEM_ID]
     if not mine:
         raise RuntimeError("tfmemopt: the pass did not run on the graph (no report)")

@@ -320,7 +320,7 @@ def report_count():
     planned a graph (TF traced or re-instantiated the function during the call)."""
     from tfmemopt import _ext
 
-    return len(_ext.reports())
+    return _ext.num_reports()
 
 
 class Calibrator:

@@ -90,11 +90,11 @@ def pytest_configure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     """Notes the test whose call added a report that fell back."""
-    import tfmemopt
+    from tfmemopt import _ext, feedback
 
-    before = tfmemopt._ext.num_reports()
+    before = feedback.report_count()
     yield
-    for text in tfmemopt._ext.reports(before):
+    for text in _ext.reports(before):
         data = json.loads(text)
         if data["status"] != "ok":
             item.config._tfmemopt_fallback_tests[data["graph_id"]] = item.nodeid
