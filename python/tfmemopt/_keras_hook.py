@@ -37,17 +37,27 @@ def _make_function_observed(original):
     return _make_function
 
 
-def _wrap_trainer_method(name, wrap):
-    """Replaces TensorFlowTrainer.<name> by wrap(original), once (the wrapper reads
-    the module's current observer or provider, so a second watch only swaps that)."""
-    module = sys.modules.get(TRAINER_MODULE)
-    trainer = getattr(module, "TensorFlowTrainer", None) if module is not None else None
-    original = getattr(trainer, name, None)
+# tf_keras (Keras 2: `import tf_keras`, or tf.keras under TF_USE_LEGACY_KERAS=1): its
+# Model.fit takes callbacks as Keras 3's does; only fit is observed there.
+TF_KERAS_TRAINING_MODULE = "tf_keras.src.engine.training"
+
+
+def _wrap_method(module_name, class_name, name, wrap):
+    """Replaces module.class.<name> by wrap(original), once, if the module is loaded."""
+    module = sys.modules.get(module_name)
+    owner = getattr(module, class_name, None) if module is not None else None
+    original = getattr(owner, name, None)
     if original is None or getattr(original, "_tfmemopt_observed", False):
         return
     wrapped = wrap(original)
     wrapped._tfmemopt_observed = True
-    setattr(trainer, name, wrapped)
+    setattr(owner, name, wrapped)
+
+
+def _wrap_trainer_method(name, wrap):
+    """Replaces TensorFlowTrainer.<name> by wrap(original), once (the wrapper reads
+    the module's current observer or provider, so a second watch only swaps that)."""
+    _wrap_method(TRAINER_MODULE, "TensorFlowTrainer", name, wrap)
 
 
 def watch(observer):
@@ -117,10 +127,13 @@ def watch_fit(provider):
     with or without a provider, calls its callbacks' AFTER_FIT method when it ends."""
     global _fit_callbacks
     _fit_callbacks = provider
-    _wrap_trainer_method("fit", _fit_observed)
+    wrap_fit()
 
 
 def wrap_fit():
     """Makes every fit call its callbacks' AFTER_FIT method when it ends, whatever the
-    provider (a MemoryOptimizer given to fit without enable())."""
+    provider (a MemoryOptimizer given to fit without enable()): Keras 3's, and
+    tf_keras's once tf_keras is imported (called again from a fit's callbacks, it
+    covers the fits after a late import)."""
     _wrap_trainer_method("fit", _fit_observed)
+    _wrap_method(TF_KERAS_TRAINING_MODULE, "Model", "fit", _fit_observed)

@@ -26,7 +26,8 @@ from tfmemopt.config import _is_repeated
 # The train step's graph: Keras's own (the iterator read in the graph), or, when the
 # callback retries steps that run out of memory, the one-batch step it calls with
 # batches read beforehand.
-_TRAIN_GRAPHS = ("multi_step_on_iterator", "one_step_on_data")
+# tf_keras (Keras 2) traces one `train_function` graph.
+_TRAIN_GRAPHS = ("multi_step_on_iterator", "one_step_on_data", "__inference_train_function_")
 
 
 def _logger():
@@ -54,6 +55,30 @@ def _dataset_batch_size(dataset):
     return None
 
 
+def _adapter_batch_size(local):
+    """The batch size of the data adapter in a `fit` frame's locals: Keras 3's epoch
+    iterator, or tf_keras's (Keras 2's) data handler; (found, size)."""
+    if "epoch_iterator" in local:  # Keras 3
+        adapter = getattr(local["epoch_iterator"], "data_adapter", None)
+        if adapter is None:
+            return True, None
+        size = adapter.batch_size
+        if size is None:
+            size = _dataset_batch_size(getattr(adapter, "_dataset", None))
+        return True, size
+    if "data_handler" in local:  # tf_keras: its adapters' batch sizes are methods
+        adapter = getattr(local["data_handler"], "_adapter", None)
+        if adapter is None:
+            return True, None
+        size = adapter.batch_size()
+        if size is None:
+            size = _dataset_batch_size(adapter.get_dataset())
+        if size is None and hasattr(adapter, "representative_batch_size"):
+            size = adapter.representative_batch_size()  # a generator's first batch
+        return True, size
+    return False, None
+
+
 def fit_batch_size(model):
     """The batch size of the `fit` call running `model`, or None if unknown.
 
@@ -63,27 +88,30 @@ def fit_batch_size(model):
     `fit` made (a local of Keras's `TensorFlowTrainer.fit`): for arrays, the
     `batch_size` argument (default 32); for a tf.data.Dataset, its static batch
     dimension, else the size of its last `.batch()`. Generators and PyDatasets give
-    None. Under a distribution strategy the result is per replica, as in the graph.
+    None. tf_keras's `fit` (Keras 2, TF_USE_LEGACY_KERAS=1) holds a data handler
+    instead, read the same way (a generator gives its first batch's size). Under a
+    distribution strategy the result is per replica, as in the graph.
     """
     frame = inspect.currentframe()
     try:
         while frame is not None:
             local = frame.f_locals
-            if local.get("self") is model and "epoch_iterator" in local:
-                adapter = getattr(local["epoch_iterator"], "data_adapter", None)
-                if adapter is None:
-                    return None
-                size = adapter.batch_size
-                if size is None:
-                    size = _dataset_batch_size(getattr(adapter, "_dataset", None))
-                if not size:
-                    return None
-                replicas = model.distribute_strategy.num_replicas_in_sync
-                return max(1, int(size) // replicas)
+            if local.get("self") is model:
+                found, size = _adapter_batch_size(local)
+                if found:
+                    if not size:
+                        return None
+                    replicas = model.distribute_strategy.num_replicas_in_sync
+                    return max(1, int(size) // replicas)
             frame = frame.f_back
         return None
     finally:
         del frame
+
+
+def is_tf_keras(model):
+    """Whether `model` is a tf_keras (Keras 2) model rather than a Keras 3 one."""
+    return any(cls.__module__.startswith("tf_keras.") for cls in type(model).__mro__)
 
 
 class MemoryOptimizer(keras.callbacks.Callback):
@@ -120,6 +148,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
     afterwards (also when a train step fails) the previous state is restored.
     XLA (`jit_compile=True`, which Keras's default "auto" turns on for GPUs) and
     `run_eagerly=True` bypass Grappler: the callback then warns once and does nothing.
+
+    tf_keras (Keras 2) models are planned with their fit's batch size too; their
+    steps are not retried (`retries` is ignored) nor measured: docs/usage.md.
     """
 
     def __init__(self, budget=None, plot_to=None, print_report=True, retries=3,
@@ -153,6 +184,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self.report = None
         self.reports = []
         self._warned = False
+        self._legacy = False  # a tf_keras model: no retries, no guarded steps
+        self._warned_legacy = False
         self._active = False
         self._previous = None
         self._before = set()
@@ -166,8 +199,28 @@ class MemoryOptimizer(keras.callbacks.Callback):
 
     # --- fit hooks ---
 
+    # tf_keras (Keras 2, TF_USE_LEGACY_KERAS=1) asks its callbacks whether they have
+    # batch hooks; this one has none.
+    def _implements_train_batch_hooks(self):
+        return False
+
+    def _implements_test_batch_hooks(self):
+        return False
+
+    def _implements_predict_batch_hooks(self):
+        return False
+
     def on_train_begin(self, logs=None):
         self.report, self.reports = None, []
+        _keras_hook.wrap_fit()  # tf_keras imported after this callback was made
+        self._legacy = is_tf_keras(self.model)
+        if (self._legacy and self.retries and not self._warned_legacy
+                and not getattr(self, "_added_by_enable", False)):
+            _logger().info(
+                "tfmemopt: tf_keras (Keras 2) model: the train step is planned and "
+                "reported, but a step that runs out of memory is not retried (retries "
+                "need Keras 3's fit).")
+            self._warned_legacy = True
         bypass = self._grappler_bypass()
         if bypass:
             # Added by enable(): tfmemopt.explanation already tells the user about XLA
@@ -217,7 +270,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         def train_function(iterator):
             try:
                 with _eager_context.retrying_calls():  # its own log lines, not the hint
-                    if self.retries == 0:
+                    if self.retries == 0 or self._legacy:
                         return self._step(iterator)
                     return self._guarded_step(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
@@ -477,11 +530,17 @@ def _fields_of(config):
 def enabled_fit_callbacks(model, callbacks, retries):
     """The callbacks a Keras `fit` gets under tfmemopt.enable(): a MemoryOptimizer with
     enable()'s config and `retries` (tfmemopt.enable's fit_retries), so that the step
-    that runs out of memory is re-planned and retried there too. None when the fit
-    already has a MemoryOptimizer (its own settings win) or when Keras's callbacks
-    are given as a CallbackList (which this cannot extend without building it)."""
+    that runs out of memory is re-planned and retried there too; a tf_keras model's
+    fit gets it for its batch size even with `retries` 0. None when the fit already
+    has a MemoryOptimizer (its own settings win) or when Keras's callbacks are given
+    as a CallbackList (which this cannot extend without building it)."""
     config = tfmemopt.enabled_config()
-    if config is None or retries <= 0:
+    if config is None:
+        return None
+    # A tf_keras fit gets the callback even without retries (which it cannot add
+    # there): tf_keras traces the step with an unknown batch dimension, which only
+    # the fit's batch size (assume_batch_size) sizes right.
+    if retries <= 0 and not is_tf_keras(model):
         return None
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return None
