@@ -73,8 +73,8 @@ def _adapter_batch_size(local):
         size = adapter.batch_size()
         if size is None:
             size = _dataset_batch_size(adapter.get_dataset())
-        if size is None and hasattr(adapter, "representative_batch_size"):
-            size = adapter.representative_batch_size()  # a generator's first batch
+        # A generator gives none: tf_keras types its batches by rank only, so every
+        # dimension of the step is unknown, not only the batch's.
         return True, size
     return False, None
 
@@ -89,7 +89,7 @@ def fit_batch_size(model):
     `batch_size` argument (default 32); for a tf.data.Dataset, its static batch
     dimension, else the size of its last `.batch()`. Generators and PyDatasets give
     None. tf_keras's `fit` (Keras 2, TF_USE_LEGACY_KERAS=1) holds a data handler
-    instead, read the same way (a generator gives its first batch's size). Under a
+    instead, read the same way. Under a
     distribution strategy the result is per replica, as in the graph.
     """
     frame = inspect.currentframe()
