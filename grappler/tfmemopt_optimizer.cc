@@ -778,19 +778,35 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
   if (!status.ok()) return status;
 
   // Order: the plan's peak must hold whichever ready kernel TF's executor takes
-  // first (plan/order_guard.h).
+  // first (plan/order_guard.h). So must the "fits" of a graph that needs no plan: one
+  // that meets its budget in the simulated order but not in another the executor may
+  // take is pinned to the simulated order (its control edges are then all the pass
+  // adds); one that meets it in every order is left as it is.
   status = stages->Run("order", [&] {
-    if (!report->graph_changed) return absl::OkStatus();
-    absl::Status s = analyze_output();
-    if (!s.ok()) return s;
+    const bool unchanged = !report->graph_changed;
+    if (unchanged && (options.mode != Mode::kAuto || rewritten_before)) {
+      return absl::OkStatus();
+    }
     OrderGuardOptions guard;
-    guard.simulation = SimulationFor(devices, after_table);
+    guard.pin_only_over_budget = unchanged;
     for (const DeviceReport& device : devices) guard.budget_bytes[device.device] = device.budget_bytes;
-    ControlFlowInfo after_flow;
-    s = AnalyzeControlFlow(rewritten.graph, after_table, after_order, &after_flow);
-    if (!s.ok()) return s;
     OrderGuardResult result;
-    s = GuardOrder(&after_table, after_flow, after_order, after, guard, &result);
+    absl::Status s;
+    if (unchanged) {
+      // The original graph, as analyzed and simulated already; a copy of its table,
+      // which pinning edits.
+      TensorTable guarded = table;
+      guard.simulation = SimulationFor(devices, guarded);
+      s = GuardOrder(&guarded, flow, order, before, guard, &result);
+    } else {
+      s = analyze_output();
+      if (!s.ok()) return s;
+      guard.simulation = SimulationFor(devices, after_table);
+      ControlFlowInfo after_flow;
+      s = AnalyzeControlFlow(rewritten.graph, after_table, after_order, &after_flow);
+      if (!s.ok()) return s;
+      s = GuardOrder(&after_table, after_flow, after_order, after, guard, &result);
+    }
     if (!s.ok()) return s;
     OrderGuardReport& out = report->order_guard;
     out.checked = result.checked;
@@ -801,6 +817,10 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (result.edges.empty()) return absl::OkStatus();
     s = ApplyPinnedEdges(result.edges, output);
     if (!s.ok()) return s;
+    if (unchanged) {
+      report->graph_changed = true;
+      out.unplanned = true;
+    }
     return analyze_output();
   });
   if (!status.ok()) return status;
@@ -872,8 +892,9 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       const int index = DeviceIndex(final_simulation, devices[d].device);
       if (index < 0) return absl::InternalError(absl::StrCat("no timeline for ", devices[d].device));
       FillDeviceFigures(final_table, final_simulation.devices[index], &devices[d]);
-      // An order the guard could not pin may run: its peak is the plan's.
-      if (changed && !report->order_guard.complete) {
+      // An order the guard could not pin may run: its peak is the plan's (or, for
+      // a graph left as it is, the graph's).
+      if (!report->order_guard.complete) {
         auto worst = report->order_guard.worst_peak_after_bytes.find(devices[d].device);
         if (worst != report->order_guard.worst_peak_after_bytes.end()) {
           devices[d].peak_after_bytes = std::max(devices[d].peak_after_bytes, worst->second);

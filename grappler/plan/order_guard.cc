@@ -41,13 +41,14 @@ absl::Status WorstPeaks(const TensorTable& table, const SimulationOptions& simul
 // whether or not it crosses the budget.
 bool OrderDecidesPeak(const std::map<std::string, int64_t>& worst,
                       const SimulationResult& planned,
-                      const std::map<std::string, int64_t>& budgets) {
+                      const std::map<std::string, int64_t>& budgets, bool only_over_budget) {
   for (const DeviceTimeline& device : planned.devices) {
     auto budget = budgets.find(device.device);
     auto peak = worst.find(device.device);
     if (budget == budgets.end() || budget->second <= 0 || peak == worst.end()) continue;
     const int64_t planned_peak = PredictedPeak(device);
-    if (peak->second > planned_peak && planned_peak <= budget->second) return true;
+    if (planned_peak > budget->second) continue;
+    if (peak->second > (only_over_budget ? budget->second : planned_peak)) return true;
   }
   return false;
 }
@@ -122,7 +123,8 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
   absl::Status status = WorstPeaks(*table, options.simulation, &result->worst_peak_before_bytes);
   if (!status.ok()) return status;
   result->worst_peak_after_bytes = result->worst_peak_before_bytes;
-  if (!OrderDecidesPeak(result->worst_peak_before_bytes, planned, options.budget_bytes)) {
+  if (!OrderDecidesPeak(result->worst_peak_before_bytes, planned, options.budget_bytes,
+                        options.pin_only_over_budget)) {
     return absl::OkStatus();
   }
   // Pinning may stop incomplete; its edges are kept only if they lower some device's

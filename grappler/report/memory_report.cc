@@ -242,6 +242,7 @@ std::string MemoryReport::ToJson() const {
       << ",\"freed_for_allocator\":" << QuotedList(plan_choice.freed_for_allocator)
       << "},\"order_guard\":{\"checked\":" << (order_guard.checked ? "true" : "false")
       << ",\"complete\":" << (order_guard.complete ? "true" : "false")
+      << ",\"unplanned\":" << (order_guard.unplanned ? "true" : "false")
       << ",\"edges\":" << EdgesJson(order_guard.edges)
       << ",\"worst_peak_before_bytes\":" << BytesByDeviceJson(order_guard.worst_peak_before_bytes)
       << ",\"worst_peak_after_bytes\":" << BytesByDeviceJson(order_guard.worst_peak_after_bytes)

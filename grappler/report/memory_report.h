@@ -200,6 +200,9 @@ struct OrderGuardReport {
   std::map<std::string, int64_t> worst_peak_before_bytes, worst_peak_after_bytes;
   std::vector<std::pair<std::string, std::string>> edges;  // (waited for, waiting)
   bool complete = true;
+  // The graph needed no plan: the edges are all the pass added (its simulated
+  // order met the budget, another order TF's executor may pick did not).
+  bool unplanned = false;
 };
 
 // What the merge stage did to keep the pairs TF's oneDNN layout pass merges

@@ -121,7 +121,8 @@ class Report:
     order_guard (the orders TF's executor may run the rewritten graph in, checked
     against the budget: checked, edges that pin the planned order as [waited for,
     waiting] node names, complete, worst_peak_before_bytes and worst_peak_after_bytes
-    per device; see docs/design.md),
+    per device, unplanned (the graph needed no plan and the edges pin its own order,
+    which meets the budget where another order would not); see docs/design.md),
     onednn_merges (node pairs TF's oneDNN layout pass merges into one kernel, such as
     Conv2DBackpropFilter + BiasAddGrad, kept mergeable so that they run the kernels they
     run without tfmemopt: kept (false when the plan fits its budget only with the order
@@ -429,7 +430,10 @@ class Report:
         if not og.get("edges") and og.get("complete", True):
             return []
         worst = _before_after(og, "worst_peak")
-        line = (f"  order: {len(og['edges'])} control edges pin the planned order "
+        what = ("the graph's own order (it needs no plan: it meets the budget in that "
+                "order, not in every order TF's executor may pick)"
+                if og.get("unplanned") else "the planned order")
+        line = (f"  order: {len(og['edges'])} control edges pin {what} "
                 f"(peak in the worst order TF's executor may pick {worst})")
         if not og.get("complete", True):
             line += "; not every order could be pinned, the worst is the predicted peak"
