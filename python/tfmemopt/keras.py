@@ -149,8 +149,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
     XLA (`jit_compile=True`, which Keras's default "auto" turns on for GPUs) and
     `run_eagerly=True` bypass Grappler: the callback then warns once and does nothing.
 
-    tf_keras (Keras 2) models are planned with their fit's batch size too; their
-    steps are not retried (`retries` is ignored) nor measured: docs/usage.md.
+    tf_keras (Keras 2) models are planned, retried and measured the same way, except
+    under a distribution strategy, where their steps are not retried: docs/usage.md.
     """
 
     def __init__(self, budget=None, plot_to=None, print_report=True, retries=3,
@@ -184,7 +184,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self.report = None
         self.reports = []
         self._warned = False
-        self._legacy = False  # a tf_keras model: no retries, no guarded steps
+        self._legacy = False  # a tf_keras model
+        self._unguarded = False  # ... under a distribution strategy: no guarded steps
         self._warned_legacy = False
         self._active = False
         self._previous = None
@@ -214,12 +215,16 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self.report, self.reports = None, []
         _keras_hook.wrap_fit()  # tf_keras imported after this callback was made
         self._legacy = is_tf_keras(self.model)
-        if (self._legacy and self.retries and not self._warned_legacy
+        # tf_keras's step reads its batches from an iterator in the graph: a retry
+        # feeds it the batches read beforehand through an iterator of their own,
+        # which a distribution strategy's per-replica batches cannot go through.
+        self._unguarded = self._legacy and tf.distribute.has_strategy()
+        if (self._unguarded and self.retries and not self._warned_legacy
                 and not getattr(self, "_added_by_enable", False)):
             _logger().info(
-                "tfmemopt: tf_keras (Keras 2) model: the train step is planned and "
-                "reported, but a step that runs out of memory is not retried (retries "
-                "need Keras 3's fit).")
+                "tfmemopt: tf_keras (Keras 2) model under a distribution strategy: the "
+                "train step is planned and reported, but a step that runs out of memory "
+                "is not retried (retries need Keras 3's fit there).")
             self._warned_legacy = True
         bypass = self._grappler_bypass()
         if bypass:
@@ -270,7 +275,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         def train_function(iterator):
             try:
                 with _eager_context.retrying_calls():  # its own log lines, not the hint
-                    if self.retries == 0 or self._legacy:
+                    if self.retries == 0 or self._unguarded:
                         return self._step(iterator)
                     return self._guarded_step(iterator)
             except (StopIteration, tf.errors.OutOfRangeError):
@@ -325,7 +330,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         """Runs one train step on batches read beforehand, so that a step that runs
         out of memory can be re-planned and retried with the same batches."""
         batches = []
-        for _ in range(self.model.steps_per_execution):
+        for _ in range(self._steps_per_execution()):
             try:
                 batches.append(next(iterator))
             except (StopIteration, tf.errors.OutOfRangeError):
@@ -345,13 +350,15 @@ class MemoryOptimizer(keras.callbacks.Callback):
             snapshot = devices = None
             if guarded:
                 self._build_compiled_state(batches[0])
+                if self._legacy:
+                    self._trace_legacy_step(batches)
                 snapshot = feedback.VariableSnapshot(self._step_variables())
                 devices = feedback.memory_devices(None)
                 feedback.reset_peaks(devices)
                 in_use_before = feedback.read_in_use(devices)
                 reports_before = feedback.report_count()
             try:
-                logs = self._step(batches)
+                logs = self._step(self._legacy_iterator(batches) if self._legacy else batches)
             except tf.errors.ResourceExhaustedError as error:
                 report = self._report_for(shapes)
                 if report is None:
@@ -452,12 +459,54 @@ class MemoryOptimizer(keras.callbacks.Callback):
         except Exception:  # noqa: BLE001 - Keras builds them in the step, as before
             pass
 
+    def _steps_per_execution(self):
+        steps = self.model.steps_per_execution
+        if self._legacy:  # tf_keras: a variable (its fit lowers it for an epoch's end)
+            steps = steps.numpy()
+        return int(steps)
+
+    @staticmethod
+    def _legacy_iterator(batches):
+        """An iterator over `batches` for tf_keras's train function, which reads its
+        batches from an iterator inside the graph. Its element spec is the batches'
+        own shapes, the same at every call for batches of the same shapes, so TF
+        traces the function once per shape, as Keras 3's one-batch step."""
+        dataset = tf.data.Dataset.from_tensors(batches[0])
+        for batch in batches[1:]:
+            dataset = dataset.concatenate(tf.data.Dataset.from_tensors(batch))
+        return iter(dataset)
+
+    def _trace_legacy_step(self, batches):
+        """Traces tf_keras's train function for these batches before the step runs:
+        the variables its first step creates (the compiled metrics', the optimizer's)
+        then exist when the snapshot that guards the step is taken. Tracing runs
+        nothing; the call that follows reuses the trace."""
+        concrete = getattr(self._step, "get_concrete_function", None)
+        if concrete is None:
+            return
+        try:
+            concrete(self._legacy_iterator(batches))
+        except Exception:  # noqa: BLE001 - the step traces itself, as without us
+            pass
+
     def _step_variables(self):
         model = self.model
         variables = list(model.variables) + list(getattr(model, "metrics_variables", []))
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
             variables += list(optimizer.variables)
+        if self._legacy:
+            # tf_keras: the metrics' variables, the optimizer's step count and the
+            # model's step counter, which its train function updates too.
+            variables += [v for m in model.metrics for v in m.variables]
+            for extra in (getattr(optimizer, "iterations", None),
+                          getattr(model, "_train_counter", None)):
+                if isinstance(extra, tf.Variable):
+                    variables.append(extra)
+            unique = {}
+            for v in variables:
+                unique.setdefault(id(v), v)
+            variables = list(unique.values())
         return variables
 
     def _my_reports(self):
@@ -531,7 +580,8 @@ def enabled_fit_callbacks(model, callbacks, retries):
     """The callbacks a Keras `fit` gets under tfmemopt.enable(): a MemoryOptimizer with
     enable()'s config and `retries` (tfmemopt.enable's fit_retries), so that the step
     that runs out of memory is re-planned and retried there too; a tf_keras model's
-    fit gets it for its batch size even with `retries` 0. None when the fit already
+    fit gets it for its batch size even with `retries` 0 (tf_keras traces its step
+    with an unknown batch dimension). None when the fit already
     has a MemoryOptimizer (its own settings win) or when Keras's callbacks are given
     as a CallbackList (which this cannot extend without building it)."""
     config = tfmemopt.enabled_config()
