@@ -89,8 +89,8 @@ def fit_batch_size(model):
     `batch_size` argument (default 32); for a tf.data.Dataset, its static batch
     dimension, else the size of its last `.batch()`. Generators and PyDatasets give
     None. tf_keras's `fit` (Keras 2, TF_USE_LEGACY_KERAS=1) holds a data handler
-    instead, read the same way. Under a
-    distribution strategy the result is per replica, as in the graph.
+    instead, read the same way. Under a distribution strategy the result is per
+    replica, as in the graph.
     """
     frame = inspect.currentframe()
     try:
@@ -587,9 +587,9 @@ def enabled_fit_callbacks(model, callbacks, retries):
     config = tfmemopt.enabled_config()
     if config is None:
         return None
-    # A tf_keras fit gets the callback even without retries (which it cannot add
-    # there): tf_keras traces the step with an unknown batch dimension, which only
-    # the fit's batch size (assume_batch_size) sizes right.
+    # A tf_keras fit gets the callback even without retries (it then only plans):
+    # tf_keras traces the step with an unknown batch dimension, which only the fit's
+    # batch size (assume_batch_size) sizes right.
     if retries <= 0 and not is_tf_keras(model):
         return None
     if isinstance(callbacks, keras.callbacks.CallbackList):
