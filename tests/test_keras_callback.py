@@ -82,8 +82,10 @@ def test_fit_reports_the_train_step_and_recomputes_under_a_tight_budget(peak_wit
     first = callback.reports[0]
     assert first.budget_bytes["CPU:0"] == budget
     assert report.budget_bytes["CPU:0"] <= budget
+    # The plan under the user's budget recomputes; a calibrated re-plan under a lower
+    # budget may swap instead (swapping is what the planner picks there).
+    assert first.graph_changed and first.recomputed_ops
     assert report.graph_changed
-    assert report.recomputed_ops
     # (ANALYZE_ONLY and AUTO see the step after slightly different built-in passes.)
     assert first.predicted_peak_bytes["before"]["CPU:0"] == pytest.approx(
         peak_without_rewrite, rel=0.01)
