@@ -459,9 +459,14 @@ class VariableSnapshot:
             var.assign(value)
 
     def not_covered(self, variables):
-        """The variables of `variables` this snapshot does not hold (created since)."""
+        """The variables of `variables` this snapshot does not hold (created since),
+        each once."""
         held = {id(var) for var, _ in self._pairs}
-        return [var for var in variables if id(var) not in held]
+        missing = {}
+        for var in variables:
+            if id(var) not in held:
+                missing.setdefault(id(var), var)
+        return list(missing.values())
 
     def __len__(self):
         return len(self._pairs)

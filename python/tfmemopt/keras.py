@@ -345,13 +345,13 @@ class MemoryOptimizer(keras.callbacks.Callback):
             # after a re-plan.
             self._graph_of_shapes[shapes] = None
             self._steps_since_plan = 0
+            if self._legacy:
+                self._trace_legacy_step(batches)
         while True:
             guarded = self._steps_since_plan < self.guard_steps
             snapshot = devices = None
             if guarded:
                 self._build_compiled_state(batches[0])
-                if self._legacy:
-                    self._trace_legacy_step(batches)
                 snapshot = feedback.VariableSnapshot(self._step_variables())
                 devices = feedback.memory_devices(None)
                 feedback.reset_peaks(devices)
@@ -477,10 +477,10 @@ class MemoryOptimizer(keras.callbacks.Callback):
         return iter(dataset)
 
     def _trace_legacy_step(self, batches):
-        """Traces tf_keras's train function for these batches before the step runs:
-        the variables its first step creates (the compiled metrics', the optimizer's)
-        then exist when the snapshot that guards the step is taken. Tracing runs
-        nothing; the call that follows reuses the trace."""
+        """Traces tf_keras's train function for batches of a shape it has not run
+        yet, before the step runs: the variables its first step creates (the compiled
+        metrics', the optimizer's) then exist when the snapshot that guards the step
+        is taken. Tracing runs nothing; the calls that follow reuse the trace."""
         concrete = getattr(self._step, "get_concrete_function", None)
         if concrete is None:
             return
@@ -499,14 +499,11 @@ class MemoryOptimizer(keras.callbacks.Callback):
             # tf_keras: the metrics' variables, the optimizer's step count and the
             # model's step counter, which its train function updates too.
             variables += [v for m in model.metrics for v in m.variables]
+            # (Repeats are fine: the snapshot holds each variable once.)
             for extra in (getattr(optimizer, "iterations", None),
                           getattr(model, "_train_counter", None)):
                 if isinstance(extra, tf.Variable):
                     variables.append(extra)
-            unique = {}
-            for v in variables:
-                unique.setdefault(id(v), v)
-            variables = list(unique.values())
         return variables
 
     def _my_reports(self):
