@@ -21,7 +21,8 @@
 // benchmarks/models.py's text_cnn, whose peak in TF's own order moves from 103 to
 // 153 MiB from process to process (inter-op threads or not), the choices peak at
 // 127.5, 127.3 and 134.5 MiB; under a 130 MiB budget 7 edges pin it, and it then
-// measured 110.7 and 110.9 MiB in two processes (docs/design.md#order).
+// measured 110.7 and 110.9 MiB in two processes
+// (docs/design.md#order-grapplerplanorder_guardcc).
 #ifndef TFMEMOPT_GRAPPLER_PLAN_ORDER_GUARD_H_
 #define TFMEMOPT_GRAPPLER_PLAN_ORDER_GUARD_H_
 
