@@ -1,6 +1,8 @@
 """Does "fits" mean it trains? Every claim of the report checked by a real run.
 
-For each model of benchmarks/peak_accuracy.py (benchmarks/models.py), under a memory
+For each model of benchmarks/peak_accuracy.py (benchmarks/models.py), or with
+--unseen of benchmarks/unseen_models.py (Keras applications and layer mixes the pass
+was not tuned for, each trained by tfmemopt.demo.keras_train_step), under a memory
 cap (TF's BFC CPU allocator limited to --cap-mb, or the model's own cap below):
 
   1. the unplanned limit: the largest batch that trains without tfmemopt, to within
@@ -30,7 +32,7 @@ measured| / measured over the claims that trained, where predicted is the report
 peak after the plan and measured the highest of the steps' own allocator peaks
 after the first step.
 
-Usage: python benchmarks/fits_means_trains.py [--models NAME ...] [--cap-mb N]
+Usage: python benchmarks/fits_means_trains.py [--models NAME ...] [--unseen] [--cap-mb N]
            [--growth 1.15] [--tolerance 0.03] [--sizes 8] [--steps 3] [--retry]
            [--json]
        python benchmarks/fits_means_trains.py --merge LOG [LOG ...] [--json]
@@ -55,6 +57,7 @@ sys.path.insert(0, HERE)
 from tfmemopt import Report  # noqa: E402
 from results import last_json  # noqa: E402
 from tfmemopt.maxbatch import TrialError, run_trial  # noqa: E402
+import unseen_models  # noqa: E402
 
 # Per model: (cap in MiB, a batch that trains under it). The caps are small, so that
 # a step takes a second or less on a CPU and each model's sweep a few minutes; models
@@ -72,8 +75,34 @@ SETTINGS = {
     "efficientnet_b0": (256, 8),
     "text_cnn": (128, 16),
     "v1_session_cnn": (128, 64),
+    # --unseen: a cap about twice the model's step at its start batch, as above.
+    "mobilenetv3small": (128, 16),
+    "efficientnetv2b0": (256, 8),
+    "nasnetmobile": (256, 4),
+    "resnet50v2": (512, 4),
+    "inceptionv3": (512, 4),
+    "xception": (512, 4),
+    "vit_tiny": (128, 8),
+    "conv_autoencoder": (64, 8),
+    "bidirectional_gru": (64, 32),
+    "embedding_attention": (64, 32),
 }
 DEFAULT = (256, 8)
+# --unseen sweeps these; VGG16 and ConvNeXtTiny hold 0.5 to 1 GiB of weights and Adam
+# state at any batch, too slow a sweep for a CPU (name them with --models).
+UNSEEN = ["mobilenetv3small", "efficientnetv2b0", "nasnetmobile", "resnet50v2",
+          "inceptionv3", "xception", "vit_tiny", "conv_autoencoder", "bidirectional_gru",
+          "embedding_attention"]
+
+
+def model_step(model, size):
+    """(step, args) of `model` at batch `size`: benchmarks/models.py's, or
+    benchmarks/unseen_models.py's Keras train step."""
+    import models
+
+    if model in models.MODELS:
+        return models.MODELS[model](batch=size)
+    return unseen_models.train_step(model, size)
 
 
 def make_step(size, model, retry=False):
@@ -84,9 +113,7 @@ def make_step(size, model, retry=False):
     import numpy as np
     import tensorflow as tf
 
-    import models
-
-    step, args = models.MODELS[model](batch=size)
+    step, args = model_step(model, size)
     wrapped = None
     if retry:
         import tfmemopt
@@ -122,9 +149,7 @@ def analyze_step(size, model):
     import numpy as np
     import tfmemopt
 
-    import models
-
-    step, args = models.MODELS[model](batch=size)
+    step, args = model_step(model, size)
     if hasattr(step, "graph"):
         # A v1 Session step: its graph, placed as the Session places it, fetching
         # what the step runs.
@@ -312,8 +337,12 @@ def main():
     import models
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(models.MODELS),
-                        choices=list(models.MODELS))
+    parser.add_argument("--models", nargs="+",
+                        choices=list(models.MODELS) + list(unseen_models.MODELS),
+                        help="default: benchmarks/models.py's (with --unseen: "
+                             + ", ".join(UNSEEN) + ")")
+    parser.add_argument("--unseen", action="store_true",
+                        help="sweep benchmarks/unseen_models.py's models by default")
     parser.add_argument("--cap-mb", type=int, help="one cap for every model (MiB)")
     parser.add_argument("--growth", type=float, default=1.15,
                         help="each batch size tried is this times the last")
@@ -330,6 +359,8 @@ def main():
     args = parser.parse_args()
     if args.growth <= 1.0:
         parser.error(f"--growth {args.growth}: allowed: a number above 1")
+    if not args.models:
+        args.models = UNSEEN if args.unseen else list(models.MODELS)
 
     def log(text):
         print(text, flush=True)

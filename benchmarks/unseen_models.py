@@ -53,7 +53,7 @@ def _batch(batch, shape, classes=10, seed=0):
 
 
 def _application(name, size, batch, **kwargs):
-    def build():
+    def build(batch=batch):
         import keras
 
         model = getattr(keras.applications, name)(
@@ -63,7 +63,7 @@ def _application(name, size, batch, **kwargs):
     return build
 
 
-def vit_tiny():
+def vit_tiny(batch=16):
     """Patch embedding and three pre-norm blocks: attention with dropout, GELU MLP."""
     import keras
 
@@ -76,10 +76,11 @@ def vit_tiny():
         x = x + keras.layers.Dense(128)(keras.layers.Dense(256, activation="gelu")(h))
     outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(x))
     return (keras.Model(inputs, outputs),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True), _batch(16, (64, 64, 3)))
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            _batch(batch, (64, 64, 3)))
 
 
-def conv_autoencoder():
+def conv_autoencoder(batch=16):
     """ELU and SELU convolutions, spatial dropout, batch norm, a transposed convolution,
     upsampling, softplus, global max pooling."""
     import keras
@@ -92,10 +93,11 @@ def conv_autoencoder():
     x = L.UpSampling2D()(L.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu")(x))
     x = L.GlobalMaxPooling2D()(L.Conv2D(16, 3, padding="same", activation="softplus")(x))
     return (keras.Model(inputs, L.Dense(10)(x)),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True), _batch(16, (64, 64, 3)))
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            _batch(batch, (64, 64, 3)))
 
 
-def bidirectional_gru():
+def bidirectional_gru(batch=32):
     """Masking, a bidirectional GRU returning sequences, an LSTM with dropout."""
     import keras
 
@@ -104,10 +106,10 @@ def bidirectional_gru():
     x = L.Bidirectional(L.GRU(64, return_sequences=True))(L.Masking()(inputs))
     x = L.LSTM(64, dropout=0.1)(x)
     return (keras.Model(inputs, L.Dense(10)(x)),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True), _batch(32, (60, 16)))
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), _batch(batch, (60, 16)))
 
 
-def embedding_attention():
+def embedding_attention(batch=32):
     """Token embedding, Conv1D, dot-product attention, dropout."""
     import keras
     import numpy as np
@@ -118,8 +120,8 @@ def embedding_attention():
     x = L.Conv1D(64, 5, padding="same", activation="relu")(L.Embedding(5000, 64)(inputs))
     x = L.Dropout(0.3)(L.GlobalAveragePooling1D()(L.Attention()([x, x])))
     rng = np.random.default_rng(0)
-    data = (tf.constant(rng.integers(0, 5000, size=(32, 100), dtype=np.int32)),
-            tf.constant(rng.integers(0, 10, size=(32,), dtype=np.int32)))
+    data = (tf.constant(rng.integers(0, 5000, size=(batch, 100), dtype=np.int32)),
+            tf.constant(rng.integers(0, 10, size=(batch,), dtype=np.int32)))
     return (keras.Model(inputs, L.Dense(10)(x)),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True), data)
 
@@ -138,6 +140,18 @@ MODELS = {
     "bidirectional_gru": bidirectional_gru,
     "embedding_attention": embedding_attention,
 }
+
+
+def train_step(name, batch=None):
+    """Model `name`'s tf.function train step (Adam, tfmemopt.demo.keras_train_step)
+    and its batch, at `batch` (default: the model's own), as benchmarks/models.py's
+    MODELS give theirs: (step, (x, y))."""
+    import keras
+    from tfmemopt.demo import keras_train_step
+
+    keras.utils.set_random_seed(0)
+    model, loss, data = MODELS[name]() if batch is None else MODELS[name](batch=batch)
+    return keras_train_step(model, loss), data
 
 
 def child(name, budget):
