@@ -814,6 +814,9 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     out.edges = result.edges;
     out.worst_peak_before_bytes = result.worst_peak_before_bytes;
     out.worst_peak_after_bytes = result.worst_peak_after_bytes;
+    out.eager_start_peak_before_bytes = result.eager_start_peak_before_bytes;
+    out.eager_start_peak_after_bytes = result.eager_start_peak_after_bytes;
+    out.deferred = result.deferred;
     if (result.edges.empty()) return absl::OkStatus();
     s = ApplyPinnedEdges(result.edges, output);
     if (!s.ok()) return s;

@@ -4,12 +4,80 @@
 
 #include "grappler/plan/memory_planner.h"
 #include "grappler/plan/pin_order.h"
+#include "tensorflow/core/grappler/op_types.h"
 
 namespace tfmemopt {
 namespace {
 
 constexpr InlineChoice kChoices[] = {InlineChoice::kNearestUpdate, InlineChoice::kFirstInGraph,
                                      InlineChoice::kLastInGraph};
+
+// Per node, whether TF's executor may run it at the very start of the step with
+// several inter-op threads: it is not under control flow, and every node it waits
+// for (data or control) runs at the start too and is inexpensive (an _Arg, a
+// variable read, a constant). The executor hands such a node to the inter-op pool
+// as soon as its inputs are there, whatever the emulated single thread does; an
+// optimizer term that needs no gradient (SGD's `m * momentum`, RMSprop's
+// `rho * velocity`: a weight-sized product each) then holds its output from the
+// first kernel to the end of the backward pass.
+std::vector<bool> RunsAtStart(const TensorTable& table, const ControlFlowInfo& flow,
+                              const std::vector<int>& order) {
+  const int num_nodes = static_cast<int>(table.nodes.size());
+  std::vector<bool> at_start(num_nodes, false), seen(num_nodes, false);
+  for (int n : order) {
+    seen[n] = true;
+    bool early = !flow.Under(n) && !tensorflow::grappler::IsControlFlow(*table.nodes[n].def);
+    auto wait_for = [&](int p) {
+      if (p < 0 || !seen[p] || !at_start[p] || IsExpensiveKernel(table, p)) early = false;
+    };
+    for (int t : table.nodes[n].inputs) wait_for(table.tensors[t].node);
+    for (int c : table.nodes[n].control_inputs) wait_for(c);
+    at_start[n] = early;
+  }
+  return at_start;
+}
+
+// `order` with the nodes that run at the start (RunsAtStart) moved to its front, in
+// their own order: what the executor runs when its pool takes them first. A
+// topological order, since such a node waits only for such nodes.
+std::vector<int> EagerStartOrder(const std::vector<int>& order,
+                                 const std::vector<bool>& at_start) {
+  std::vector<int> eager;
+  eager.reserve(order.size());
+  for (int n : order) {
+    if (at_start[n]) eager.push_back(n);
+  }
+  for (int n : order) {
+    if (!at_start[n]) eager.push_back(n);
+  }
+  return eager;
+}
+
+absl::Status AddPeaks(const TensorTable& table, const std::vector<int>& order,
+                      const SimulationOptions& simulation,
+                      std::map<std::string, int64_t>* worst) {
+  SimulationResult result;
+  absl::Status status = Simulate(table, order, simulation, &result);
+  if (!status.ok()) return status;
+  for (const DeviceTimeline& device : result.devices) {
+    int64_t& peak = (*worst)[device.device];
+    peak = std::max(peak, PredictedPeak(device));
+  }
+  return absl::OkStatus();
+}
+
+// Per device name, the peak of the order in which the nodes that may run at the
+// start do (EagerStartOrder of the default choice's order).
+absl::Status EagerStartPeaks(const TensorTable& table, const ControlFlowInfo& flow,
+                             const SimulationOptions& simulation,
+                             std::map<std::string, int64_t>* peaks) {
+  peaks->clear();
+  std::vector<int> order;
+  absl::Status status = ExecutorOrder(table, &order, InlineChoice::kNearestUpdate);
+  if (!status.ok()) return status;
+  return AddPeaks(table, EagerStartOrder(order, RunsAtStart(table, flow, order)), simulation,
+                  peaks);
+}
 
 // Per device name, the highest PredictedPeak over the choices' orders.
 absl::Status WorstPeaks(const TensorTable& table, const SimulationOptions& simulation,
@@ -19,15 +87,101 @@ absl::Status WorstPeaks(const TensorTable& table, const SimulationOptions& simul
     std::vector<int> order;
     absl::Status status = ExecutorOrder(table, &order, choice);
     if (!status.ok()) return status;
-    SimulationResult result;
-    status = Simulate(table, order, simulation, &result);
+    status = AddPeaks(table, order, simulation, worst);
     if (!status.ok()) return status;
-    for (const DeviceTimeline& device : result.devices) {
-      int64_t& peak = (*worst)[device.device];
-      peak = std::max(peak, PredictedPeak(device));
-    }
   }
   return absl::OkStatus();
+}
+
+// Per device, the higher of the two.
+std::map<std::string, int64_t> Higher(std::map<std::string, int64_t> a,
+                                      const std::map<std::string, int64_t>& b) {
+  for (const auto& [device, peak] : b) a[device] = std::max(a[device], peak);
+  return a;
+}
+
+// Bytes node `n` allocates for its outputs (not forwarded, not persistent).
+int64_t AllocatedOutputBytes(const TensorTable& table, int n) {
+  int64_t bytes = 0;
+  for (int t : table.nodes[n].outputs) {
+    const int b = table.tensors[t].buffer;
+    if (b >= 0 && table.buffers[b].owner == t && !table.buffers[b].persistent) {
+      bytes += table.buffers[b].bytes;
+    }
+  }
+  return bytes;
+}
+
+// A node that may run at the start (RunsAtStart), allocates at least `min_bytes` and
+// reads nothing that large (a product of a variable, a random mask from a shape) is
+// made to wait for the latest other producer of its first reader in `target`: the
+// executor then runs it when that reader is about to, instead of at the start of the
+// step, and the emulated order with it. A producer that depends on the node is never
+// waited for (the edge would close a cycle).
+void DeferStartNodes(TensorTable* table, const ControlFlowInfo& flow,
+                     const std::vector<int>& target, int64_t min_bytes, TableEdit* edit,
+                     PinnedOrder* pinned) {
+  const int num_nodes = static_cast<int>(table->nodes.size());
+  const std::vector<bool> at_start = RunsAtStart(*table, flow, target);
+  std::vector<int> position(num_nodes, -1);
+  for (int i = 0; i < static_cast<int>(target.size()); ++i) position[target[i]] = i;
+  std::vector<std::vector<int>> control_out(num_nodes);
+  for (int n = 0; n < num_nodes; ++n) {
+    for (int c : table->nodes[n].control_inputs) control_out[c].push_back(n);
+  }
+  auto fanins = [&](int n) {
+    std::vector<int> out;
+    for (int t : table->nodes[n].inputs) out.push_back(table->tensors[t].node);
+    out.insert(out.end(), table->nodes[n].control_inputs.begin(),
+               table->nodes[n].control_inputs.end());
+    return out;
+  };
+  std::vector<int> mark(num_nodes, -1);  // mark[m] == n: m depends on n
+  for (int n : target) {
+    if (!at_start[n] || AllocatedOutputBytes(*table, n) < min_bytes || !MayWait(*table, flow, n)) {
+      continue;
+    }
+    bool reads_large = false;
+    for (int p : fanins(n)) reads_large |= AllocatedOutputBytes(*table, p) >= min_bytes;
+    if (reads_large) continue;
+    int first = -1;
+    for (int t : table->nodes[n].outputs) {
+      for (int c : table->tensors[t].consumers) {
+        if (position[c] >= 0 && (first < 0 || position[c] < position[first])) first = c;
+      }
+    }
+    if (first < 0) continue;
+    // What depends on n, by data and control edges.
+    std::vector<int> stack = {n};
+    mark[n] = n;
+    while (!stack.empty()) {
+      const int m = stack.back();
+      stack.pop_back();
+      auto visit = [&](int s) {
+        if (mark[s] != n) {
+          mark[s] = n;
+          stack.push_back(s);
+        }
+      };
+      for (int t : table->nodes[m].outputs) {
+        for (int c : table->tensors[t].consumers) visit(c);
+      }
+      for (int c : control_out[m]) visit(c);
+    }
+    int wait_for = -1;
+    for (int p : fanins(first)) {
+      if (p == n || mark[p] == n || at_start[p] || position[p] <= position[n] ||
+          !MayBeWaitedFor(*table, flow, p)) {
+        continue;
+      }
+      if (wait_for < 0 || position[p] > position[wait_for]) wait_for = p;
+    }
+    if (wait_for < 0) continue;
+    edit->SaveControlInputs(*table, n);
+    table->nodes[n].control_inputs.push_back(wait_for);
+    control_out[wait_for].push_back(n);
+    pinned->edges.push_back({wait_for, n});
+  }
 }
 
 // Whether the order decides some device's peak: one of the choices peaks above the
@@ -120,34 +274,73 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
   *result = OrderGuardResult();
   for (const auto& [device, bytes] : options.budget_bytes) result->checked |= bytes > 0;
   if (!result->checked) return absl::OkStatus();
-  absl::Status status = WorstPeaks(*table, options.simulation, &result->worst_peak_before_bytes);
+  std::map<std::string, int64_t> choices_before, eager_before;
+  absl::Status status = WorstPeaks(*table, options.simulation, &choices_before);
+  if (status.ok()) status = EagerStartPeaks(*table, flow, options.simulation, &eager_before);
   if (!status.ok()) return status;
-  result->worst_peak_after_bytes = result->worst_peak_before_bytes;
-  if (!OrderDecidesPeak(result->worst_peak_before_bytes, planned, options.budget_bytes,
-                        options.pin_only_over_budget)) {
-    return absl::OkStatus();
+  result->worst_peak_before_bytes = choices_before;
+  result->worst_peak_after_bytes = choices_before;
+  result->eager_start_peak_before_bytes = eager_before;
+  result->eager_start_peak_after_bytes = eager_before;
+  const bool choices_decide = OrderDecidesPeak(choices_before, planned, options.budget_bytes,
+                                               options.pin_only_over_budget);
+  const bool eager_decides = OrderDecidesPeak(eager_before, planned, options.budget_bytes,
+                                              options.pin_only_over_budget);
+  if (!choices_decide && !eager_decides) return absl::OkStatus();
+  // Nodes that may run at the start wait for their readers' other inputs; the order
+  // that makes is the target, if it raises no device's peak.
+  TableEdit deferral;
+  deferral.Begin(*table);
+  PinnedOrder deferred;
+  DeferStartNodes(table, flow, order, options.defer_min_bytes, &deferral, &deferred);
+  std::vector<int> target = order;
+  if (!deferred.edges.empty()) {
+    std::vector<int> later;
+    SimulationResult simulated;
+    status = ExecutorOrder(*table, &later, InlineChoice::kNearestUpdate);
+    if (status.ok()) status = Simulate(*table, later, options.simulation, &simulated);
+    if (!status.ok()) return status;
+    bool raises = false;
+    for (const DeviceTimeline& device : simulated.devices) {
+      for (const DeviceTimeline& was : planned.devices) {
+        raises |= was.device == device.device && PredictedPeak(device) > PredictedPeak(was);
+      }
+    }
+    if (raises) {
+      deferral.Undo(table);
+      deferred.edges.clear();
+    } else {
+      target = std::move(later);
+    }
   }
+  if (!choices_decide && deferred.edges.empty()) return absl::OkStatus();
   // Pinning may stop incomplete; its edges are kept only if they lower some device's
   // worst peak, so `edit` records them to take back.
   TableEdit edit;
   edit.Begin(*table);
   PinnedOrder ready_sets, pinned;
-  WaitForPredecessors(table, flow, order, &edit, &ready_sets);
+  WaitForPredecessors(table, flow, target, &edit, &ready_sets);
   std::vector<int> pinned_order;
   const std::vector<InlineChoice> choices(std::begin(kChoices), std::end(kChoices));
-  status = PinOrder(table, flow, order, options.max_edges, &edit, &pinned, &pinned_order,
+  status = PinOrder(table, flow, target, options.max_edges, &edit, &pinned, &pinned_order,
                     choices);
   if (!status.ok()) return status;
   pinned.edges.insert(pinned.edges.begin(), ready_sets.edges.begin(), ready_sets.edges.end());
-  result->complete = pinned.complete;
-  status = WorstPeaks(*table, options.simulation, &result->worst_peak_after_bytes);
+  pinned.edges.insert(pinned.edges.begin(), deferred.edges.begin(), deferred.edges.end());
+  std::map<std::string, int64_t> choices_after, eager_after;
+  status = WorstPeaks(*table, options.simulation, &choices_after);
+  if (status.ok()) status = EagerStartPeaks(*table, flow, options.simulation, &eager_after);
   if (!status.ok()) return status;
-  if (!pinned.complete &&
-      !Lowers(result->worst_peak_after_bytes, result->worst_peak_before_bytes)) {
+  result->complete = pinned.complete;
+  if (!pinned.complete && !Lowers(Higher(choices_after, eager_after),
+                                  Higher(choices_before, eager_before))) {
     edit.Undo(table);
-    result->worst_peak_after_bytes = result->worst_peak_before_bytes;
+    deferral.Undo(table);
     return absl::OkStatus();
   }
+  result->worst_peak_after_bytes = choices_after;
+  result->eager_start_peak_after_bytes = eager_after;
+  result->deferred = static_cast<int>(deferred.edges.size());
   result->edges = PinnedEdgeNames(*table, pinned);
   return absl::OkStatus();
 }

@@ -246,6 +246,11 @@ std::string MemoryReport::ToJson() const {
       << ",\"edges\":" << EdgesJson(order_guard.edges)
       << ",\"worst_peak_before_bytes\":" << BytesByDeviceJson(order_guard.worst_peak_before_bytes)
       << ",\"worst_peak_after_bytes\":" << BytesByDeviceJson(order_guard.worst_peak_after_bytes)
+      << ",\"eager_start_peak_before_bytes\":"
+      << BytesByDeviceJson(order_guard.eager_start_peak_before_bytes)
+      << ",\"eager_start_peak_after_bytes\":"
+      << BytesByDeviceJson(order_guard.eager_start_peak_after_bytes)
+      << ",\"deferred\":" << order_guard.deferred
       << "},\"onednn_merges\":{\"kept\":" << (onednn_merges.kept ? "true" : "false")
       << ",\"pairs\":" << onednn_merges.pairs
       << ",\"edges_shared\":" << onednn_merges.edges_shared

@@ -198,7 +198,13 @@ struct OrderGuardReport {
   // Per device: the highest peak over the executor's inline choices, before and
   // after pinning.
   std::map<std::string, int64_t> worst_peak_before_bytes, worst_peak_after_bytes;
+  // Per device: the peak when the nodes that may run at the start of the step do
+  // (plan/order_guard.h), before and after the guard.
+  std::map<std::string, int64_t> eager_start_peak_before_bytes, eager_start_peak_after_bytes;
   std::vector<std::pair<std::string, std::string>> edges;  // (waited for, waiting)
+  // Of `edges`, those that make a node that may run at the start wait for its
+  // reader's other input.
+  int deferred = 0;
   bool complete = true;
   // The graph needed no plan: the edges are all the pass added (its simulated
   // order met the budget, another order TF's executor may pick did not).

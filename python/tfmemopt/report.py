@@ -122,7 +122,11 @@ class Report:
     against the budget: checked, edges that pin the planned order as [waited for,
     waiting] node names, complete, worst_peak_before_bytes and worst_peak_after_bytes
     per device, unplanned (the graph needed no plan and the edges pin its own order,
-    which meets the budget where another order would not); see docs/design.md),
+    which meets the budget where another order would not), deferred (how many of the
+    edges, listed first, make a node that TF's executor would run at the start of the
+    step wait for its reader's other input, such as SGD's `m * momentum`), and
+    eager_start_peak_before_bytes / eager_start_peak_after_bytes per device (the peak
+    when such nodes run at the start); see docs/design.md),
     onednn_merges (node pairs TF's oneDNN layout pass merges into one kernel, such as
     Conv2DBackpropFilter + BiasAddGrad, kept mergeable so that they run the kernels they
     run without tfmemopt: kept (false when the plan fits its budget only with the order
@@ -435,6 +439,10 @@ class Report:
                 if og.get("unplanned") else "the planned order")
         line = (f"  order: {len(og['edges'])} control edges pin {what} "
                 f"(peak in the worst order TF's executor may pick {worst})")
+        if og.get("deferred"):
+            line += (f"; {og['deferred']} of them make ops that need no gradient wait "
+                     f"for their reader's other input instead of running at the start "
+                     f"(peak in that eager start {_before_after(og, 'eager_start_peak')})")
         if not og.get("complete", True):
             line += "; not every order could be pinned, the worst is the predicted peak"
         return [line]
