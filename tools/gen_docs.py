@@ -454,6 +454,7 @@ RENDERERS = {
     ("recurrent_stacked_lstm", None): recurrent,
     ("stress", None): stress,
     ("fits_means_trains", None): fits_means_trains,
+    ("fits_means_trains_unseen", None): fits_means_trains,
     ("optimality", None): optimality,
     ("peers", None): peers,
     ("peers", "summary"): peers_summary,
