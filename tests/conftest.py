@@ -100,6 +100,24 @@ def run_python(code, *args, env=None, timeout=600):
     return _run([sys.executable, "-c", code, *map(str, args)], env, timeout)
 
 
+def subprocess_result(proc, only=False):
+    """The JSON after "RESULT " on the last line of `proc`'s stdout that starts so (a
+    script run by run_python prints its result that way, among whatever else it logs);
+    with `only`, that line must be the only one. Fails with the exit code and the tails
+    of stderr and stdout when there is none (or, with `only`, more than one)."""
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines and not (only and len(lines) > 1), (
+        f"{len(lines)} RESULT lines, exit code {proc.returncode}\n"
+        f"stderr: {proc.stderr[-3000:]}\nstdout: {proc.stdout[-1000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def capped_allocator_env(mb, **extra):
+    """Env vars for a subprocess on TF's BFC CPU allocator capped at `mb` MiB, plus
+    `extra` (strings, e.g. TF_CPP_MIN_LOG_LEVEL="2")."""
+    return {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(mb), **extra}
+
+
 def tfmemopt_cli(*args, env=None, timeout=600):
     """Runs `python -m tfmemopt ARGS...` in a fresh interpreter."""
     return _run([sys.executable, "-m", "tfmemopt", *map(str, args)], env, timeout)
@@ -221,8 +239,5 @@ def train_in_subprocess(name, fields, model_kwargs, cap_mb=2048):
     interpreter (one inter-op thread: TF's own results vary run to run otherwise)."""
     proc = run_python(
         SUBPROCESS_TRAIN, BENCHMARKS, name, json.dumps(fields), json.dumps(model_kwargs),
-        env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(cap_mb),
-             "TF_CPP_MIN_LOG_LEVEL": "2"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+        env=capped_allocator_env(cap_mb, TF_CPP_MIN_LOG_LEVEL="2"))
+    return subprocess_result(proc)

@@ -90,17 +90,14 @@ step, x, y = seed_cnn_train_step(512)
 report = tfmemopt.analyze(step, x, y, log_level=0)
 print("RESULT " + json.dumps(report.to_dict()["devices"][0]))
 '''
-    from conftest import run_python
-    import json
+    from conftest import capped_allocator_env, run_python, subprocess_result
 
     results = {}
-    for name, env in (("bfc", {"TF_CPU_ALLOCATOR_USE_BFC": "true",
-                               "TF_CPU_BFC_MEM_LIMIT_IN_MB": "2048"}),
+    for name, env in (("bfc", capped_allocator_env(2048)),
                       ("plain", {"TF_CPU_ALLOCATOR_USE_BFC": "false"})):
         proc = run_python(code, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-        results[name] = json.loads(line[len("RESULT "):])
+        results[name] = subprocess_result(proc)
     bfc, plain = results["bfc"], results["plain"]
     assert bfc["allocator"] == "bfc" and plain["allocator"] == "none"
     assert bfc["live_peak_bytes"] == plain["live_peak_bytes"] == plain["peak_after_bytes"]

@@ -10,7 +10,6 @@ alone. The report names these sums; tfmemopt.set_tf_memory_optimization("NO_MEM_
 keeps them AddNs.
 """
 
-import json
 import os
 
 import pytest
@@ -18,7 +17,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf.rewriter_config_pb2 import RewriterConfig
 
 import tfmemopt
-from conftest import run_python
+from conftest import run_python, subprocess_result
 from tfmemopt import _eager_context
 
 # Four terms of 48 MB: TF estimates a peak above 205 MiB (0.8 x 256 MiB), with all four
@@ -185,9 +184,7 @@ print("RESULT " + json.dumps({"predicted": report.predicted_peak_bytes["before"]
 def test_the_sum_a_running_total_hands_out_is_its_own_buffer():
     done = run_python(MEASURE_RUNNING_TOTAL, os.path.dirname(os.path.abspath(__file__)),
                       env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"})
-    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, done.stderr[-2000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = subprocess_result(done)
     tensor = 4 * TOTAL_ELEMENTS
     assert result["value"] == 6.0 * 7.0 * TOTAL_ELEMENTS
     # The zeros the total starts from are a constant (held all step), then two tensors.

@@ -8,7 +8,6 @@ $TFMEMOPT_BAZEL_OUTPUT_ROOT if set (CI keeps it in its temp dir), else Bazel's d
 (so that a second run is incremental).
 """
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_python
+from conftest import run_python, subprocess_result
 
 ROOT = Path(__file__).resolve().parents[1]
 BAZEL = shutil.which("bazel")
@@ -96,16 +95,11 @@ print("RESULT " + json.dumps({
 '''
 
 
-def result_of(process):
-    assert process.returncode == 0, process.stderr[-5000:]
-    [line] = [l for l in process.stdout.splitlines() if l.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):])
-
-
 def test_the_library_registers_the_pass_and_its_ops_and_rewrites_a_session_graph(libtfmemopt):
     budget = 14 * 2**20  # the step's predicted peak is about 19 MiB
     process = run_python(TRAIN_IN_SESSION, libtfmemopt, budget)
-    result = result_of(process)
+    assert process.returncode == 0, process.stderr[-5000:]
+    result = subprocess_result(process, only=True)
     assert result["swap_ops"] == ["TfMemSwapOut", "TfMemSwapIn"]
     assert result["no_clones"] == []
     assert result["clones"], "the pass recomputed nothing"

@@ -7,11 +7,9 @@ In a subprocess with one inter-op thread, so that TF itself is deterministic; th
 threaded part runs three rounds of fresh functions.
 """
 
-import json
-
 import pytest
 
-from conftest import run_python
+from conftest import run_python, subprocess_result
 
 SCRIPT = r'''
 import hashlib, json, sys, threading
@@ -123,9 +121,7 @@ BUDGET = 6 * 2**20
 @pytest.fixture(scope="module")
 def runs():
     proc = run_python(SCRIPT, BUDGET, env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, f"exit {proc.returncode}: {proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return subprocess_result(proc)
 
 
 KINDS = ["mlp_narrow", "mlp_wide", "mlp_deep", "cnn"]

@@ -10,11 +10,9 @@ deterministic run to run otherwise), first without tfmemopt, then with a budget 
 60 % of the predicted peak.
 """
 
-import json
-
 import pytest
 
-from conftest import run_python
+from conftest import run_python, subprocess_result
 
 SCRIPT = r'''
 import json, sys
@@ -212,9 +210,7 @@ NAMES = ["keras_lstm", "keras_gru", "hand_rnn", "cond"]
 @pytest.fixture(scope="module")
 def trained():
     proc = run_python(SCRIPT, *NAMES, env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return subprocess_result(proc)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -11,8 +11,8 @@ import tensorflow as tf
 import tfmemopt
 from tfmemopt import _eager_context
 from conftest import (
-    BATCH, CLASSES, FEATURES, HIDDEN, build_v1_mlp_train_op, mlp_batch, reports_for,
-    run_mlp_steps, run_python,
+    BATCH, CLASSES, FEATURES, HIDDEN, build_v1_mlp_train_op, capped_allocator_env, mlp_batch,
+    reports_for, run_mlp_steps, run_python,
 )
 
 STEP = "__inference_train_step"
@@ -370,8 +370,7 @@ print("DEVICES " + json.dumps({d["device"]: d for d in report.to_dict()["devices
 print("GUARDED " + json.dumps(guarded))
 print(report.to_text())
 '''
-    result = run_python(code, env={"TF_CPU_ALLOCATOR_USE_BFC": "true",
-                                   "TF_CPU_BFC_MEM_LIMIT_IN_MB": "512"})
+    result = run_python(code, env=capped_allocator_env(512))
     assert result.returncode == 0, result.stderr[-3000:]
     line = [l for l in result.stdout.splitlines() if l.startswith("DEVICES ")][-1]
     devices = json.loads(line[len("DEVICES "):])

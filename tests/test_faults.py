@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from conftest import run_python
+from conftest import run_python, subprocess_result
 
 STAGES = ["analyze", "simulate", "schedule", "plan", "rewrite", "pace", "order", "merge", "verify",
           "report"]
@@ -141,9 +141,7 @@ CASES += [
 def run():
     proc = run_python(SCRIPT, json.dumps(CASES), timeout=900,
                       env={"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_MAX_VLOG_LEVEL": "0"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, f"exit {proc.returncode}: {proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):]), proc.stderr
+    return subprocess_result(proc), proc.stderr
 
 
 def warnings_for(stderr, graph_id):

@@ -16,14 +16,13 @@ Splitting is kept out (enable_split=False): these tests are about the retry, and
 split changes the order of weight-gradient sums.
 """
 
-import json
 import re
 
 import pytest
 import tensorflow as tf
 
 import tfmemopt
-from conftest import run_python
+from conftest import capped_allocator_env, run_python, subprocess_result
 from tfmemopt import feedback
 
 CAP_MB = 36
@@ -84,13 +83,11 @@ print("RESULT " + json.dumps(out))
 
 def _result(proc):
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):]), proc.stderr
+    return subprocess_result(proc), proc.stderr
 
 
 def _capped(mb):
-    return {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(mb),
-            "TF_CPP_MIN_LOG_LEVEL": "1"}
+    return capped_allocator_env(mb, TF_CPP_MIN_LOG_LEVEL="1")
 
 
 TESTS = __import__("os").path.dirname(__file__)

@@ -5,7 +5,7 @@ and the count matches what TF's allocator holds between steps."""
 import functools
 import json
 
-from conftest import run_python
+from conftest import capped_allocator_env, run_python
 
 _SESSION = r"""
 import json, sys
@@ -51,8 +51,7 @@ SLOTS = 4 * MIB + 4 * KIB      # Momentum's accumulators, zeros-initialized
 ZERO_INITIALIZED = 4 * KIB + SLOTS  # b and the accumulators: a Const each
 
 
-ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
-       "TF_CPP_MIN_LOG_LEVEL": "2"}
+ENV = capped_allocator_env(1024, TF_CPP_MIN_LOG_LEVEL="2")
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,14 +6,13 @@ The graph is a Keras CIFAR ResNet of 4 blocks (benchmarks/models.py), about 1,45
 nodes: too big for the exact search, so the greedy joint planner decides.
 """
 
-import json
 import os
 import sys
 
 import pytest
 import tfmemopt
 
-from conftest import BENCHMARKS, optimize, peak_before, run_python
+from conftest import BENCHMARKS, optimize, peak_before, run_python, subprocess_result
 
 sys.path.insert(0, BENCHMARKS)
 import models  # noqa: E402
@@ -219,9 +218,7 @@ def test_a_tighter_budget_it_cannot_meet_reaches_no_higher_peak_than_a_looser_on
     peaks = {}
     for budget in ("38.5MiB", "30MiB"):
         proc = run_python(_ADAMW_FIT, budget, env=env)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        assert lines, proc.stderr[-3000:]
-        peaks[budget] = json.loads(lines[-1][len("RESULT "):])
+        peaks[budget] = subprocess_result(proc)
     before, looser = peaks["38.5MiB"]
     assert looser < before  # the looser budget's plan lowers the peak
     assert peaks["30MiB"][1] <= looser

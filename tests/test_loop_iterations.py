@@ -15,9 +15,7 @@ processes measured (which one depends on how TF's threads interleave the two
 directions), at 80 in every one.
 """
 
-import json
-
-from conftest import run_python
+from conftest import capped_allocator_env, run_python, subprocess_result
 
 CAP_MB = 256
 
@@ -63,12 +61,9 @@ print("RESULT " + json.dumps(out))
 
 
 def _run(mode, batch):
-    proc = run_python(CODE, mode, batch, env={
-        "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(CAP_MB),
-        "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    proc = run_python(CODE, mode, batch, env=capped_allocator_env(
+        CAP_MB, TF_CPP_MIN_LOG_LEVEL="2"), timeout=900)
+    return subprocess_result(proc)
 
 
 def test_where_tf_runs_out_of_memory_among_a_loops_elements_the_report_does_not_say_fits():

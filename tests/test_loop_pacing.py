@@ -15,11 +15,9 @@ largest, without tfmemopt and with a budget of half the predicted peak (its list
 go to host memory). Each run is a fresh process on TF's BFC allocator.
 """
 
-import json
-
 import pytest
 
-from conftest import run_python
+from conftest import capped_allocator_env, run_python, subprocess_result
 
 SCRIPT = r'''
 import hashlib, json, sys
@@ -66,15 +64,11 @@ if planned:
 print("RESULT " + json.dumps(out))
 '''
 
-ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true",
-       "TF_CPU_BFC_MEM_LIMIT_IN_MB": "2048"}
+ENV = capped_allocator_env(2048, TF_CPP_MIN_LOG_LEVEL="2")
 
 
 def _run(mode):
-    proc = run_python(SCRIPT, mode, env=ENV, timeout=600)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return subprocess_result(run_python(SCRIPT, mode, env=ENV, timeout=600))
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from conftest import run_python
+from conftest import capped_allocator_env, run_python, subprocess_result
 
 B, T, F, U = 64, 30, 16, 64
 
@@ -204,9 +204,7 @@ STATIC = ["keras_lstm", "keras_gru", "custom_cell", "while_loop", "scan", "while
 @pytest.fixture(scope="module")
 def trained():
     proc = run_python(SCRIPT, *NAMES, env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=1500)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return subprocess_result(proc)
 
 
 def forward_loop(result):
@@ -328,8 +326,7 @@ def test_measured_peak_with_tfmemopt_is_not_above_without_on_a_stacked_lstm():
     so one process without tfmemopt is not a baseline)."""
     import os
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true",
-           "TF_CPU_BFC_MEM_LIMIT_IN_MB": "4096"}
+    env = capped_allocator_env(4096, TF_CPP_MIN_LOG_LEVEL="2")
 
     def peaks(use):
         proc = run_python(PEAK_SCRIPT, bench, int(use), env=env, timeout=600)

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tfmemopt
-from conftest import run_python
+from conftest import capped_allocator_env, run_python, subprocess_result
 
 MIB = 2**20
 N = MIB  # floats: 4 MiB per tensor
@@ -125,8 +125,7 @@ def test_max_pool_kernel_memory_depends_on_onednn(onednn):
     # the pooled output and an int64 argmax) while it runs.
     proc = run_python(_POOL_CODE, env={"TF_ENABLE_ONEDNN_OPTS": onednn})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    device = json.loads(line[len("RESULT "):])
+    device = subprocess_result(proc)
     pooled = 8 * 32 * 32 * 32 * 4  # 1 MiB
     # At MaxPoolGrad: x and its gradient (4 MiB each), the pooled output and its
     # gradient (1 MiB each), listed; the kernel memory is not a graph tensor.
@@ -182,12 +181,8 @@ print("RESULT " + json.dumps(out))
 """
     from conftest import BENCHMARKS
 
-    proc = run_python(code, BENCHMARKS, env={
-        "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
-        "TF_CPP_MIN_LOG_LEVEL": "2"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    proc = run_python(code, BENCHMARKS, env=capped_allocator_env(1024, TF_CPP_MIN_LOG_LEVEL="2"))
+    result = subprocess_result(proc)
     peak, refused, what, fits, _, refused_before = result["1820"]
     assert refused == 0 and what == "" and fits and refused_before == 0
     peak, refused, what, fits, text, refused_before = result["1821"]
@@ -222,12 +217,9 @@ def _text_cnn_report(budget):
     """text_cnn's report under a 1024 MiB BFC cap: analyzed (budget 0) or planned."""
     from conftest import BENCHMARKS
 
-    proc = run_python(_HISTORIES_CODE, BENCHMARKS, str(budget), env={
-        "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
-        "TF_CPP_MIN_LOG_LEVEL": "2"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    proc = run_python(_HISTORIES_CODE, BENCHMARKS, str(budget),
+                      env=capped_allocator_env(1024, TF_CPP_MIN_LOG_LEVEL="2"))
+    return subprocess_result(proc)
 
 
 @pytest.fixture(scope="module")
@@ -302,11 +294,9 @@ def test_a_large_constant_computation_is_a_constant_at_run_time():
     # turns it into a Const: 1 MB held for the whole step, which no TanhGrad can take
     # over.
     proc = run_python(_FOLDED_SEED_CODE, json.dumps({"mode": "ANALYZE_ONLY"}),
-                      env={"TF_CPU_ALLOCATOR_USE_BFC": "true",
-                           "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024"})
+                      env=capped_allocator_env(1024))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT "):])
+    result = subprocess_result(proc)
     # w (1 MB) and the folded seed (1 MB), plus a few scalars.
     assert result["persistent"] == pytest.approx(2_000_000, abs=4096)
     # TF runs the loss and the first TanhGrad in either order from run to run, so
@@ -342,11 +332,8 @@ def measure_function(code, env=None):
     """Runs `code` (which defines fn and args) on TF's BFC CPU allocator; returns the
     measured peak of one call and the model's figures for it."""
     proc = run_python(_MEASURE, code, env={
-        "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "4096",
-        "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+        **capped_allocator_env(4096, TF_CPP_MIN_LOG_LEVEL="2"), **(env or {})})
+    return subprocess_result(proc)
 
 
 _EINSUM = r'''

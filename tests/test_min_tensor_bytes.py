@@ -12,7 +12,9 @@ import json
 
 import pytest
 
-from conftest import chain_mlp, optimize, peak_before, run_python
+from conftest import (
+    capped_allocator_env, chain_mlp, optimize, peak_before, run_python, subprocess_result,
+)
 
 BUDGET = 20_000_000
 
@@ -53,12 +55,10 @@ print("RESULT " + json.dumps({
 
 
 def _run_chain(fields):
-    proc = run_python(_CHAIN, json.dumps(fields), env={
-        "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
-        "TF_CPP_MIN_LOG_LEVEL": "2"})
+    proc = run_python(_CHAIN, json.dumps(fields),
+                      env=capped_allocator_env(1024, TF_CPP_MIN_LOG_LEVEL="2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return subprocess_result(proc)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ import socket
 import subprocess
 import sys
 
+from conftest import subprocess_result
+
 # The MLP is wide enough that its activations (2048 x 256 floats, 2 MiB, per replica)
 # are over the 5 MiB budget together, so the pass really rewrites the replica graph.
 MODEL = r'''
@@ -119,12 +121,6 @@ os._exit(0)  # the in-process servers have no clean shutdown
 '''
 
 
-def _result(stdout, stderr):
-    lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 def _run_two_workers(use_tfmemopt):
     cluster = {"worker": [f"localhost:{port}" for port in _free_ports(2)]}
     procs = []
@@ -143,7 +139,8 @@ def _run_two_workers(use_tfmemopt):
     results = []
     for proc, (stdout, stderr) in zip(procs, outputs):
         assert proc.returncode == 0, stderr[-3000:]
-        results.append(_result(stdout, stderr))
+        results.append(subprocess_result(
+            subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)))
     return results
 
 
@@ -166,7 +163,7 @@ def test_parameter_server_strategy_in_process_losses_bitwise_equal():
                               env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(_result(proc.stdout, proc.stderr))
+        runs.append(subprocess_result(proc))
     plain, planned = runs
     assert planned["losses"] == plain["losses"]
     # The coordinator's function is instantiated on each worker that runs it; every

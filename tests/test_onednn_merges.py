@@ -11,12 +11,9 @@ dropout, batch norm, a transposed convolution) that the pass plans at 0.75 of it
 predicted peak; each run is a fresh process on the capped BFC allocator.
 """
 
-import json
+from conftest import capped_allocator_env, run_python, subprocess_result
 
-from conftest import run_python
-
-ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "2048",
-       "TF_CPP_MIN_LOG_LEVEL": "2"}
+ENV = capped_allocator_env(2048, TF_CPP_MIN_LOG_LEVEL="2")
 
 SCRIPT = r'''
 import hashlib, json, sys
@@ -65,8 +62,7 @@ print("RESULT " + json.dumps(out))
 def train(mode):
     result = run_python(SCRIPT, mode, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
-    line = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return subprocess_result(result)
 
 
 def test_control_edges_on_a_bias_gradient_keep_its_onednn_merge_and_results_bitwise():

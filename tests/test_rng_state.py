@@ -11,11 +11,9 @@ tfmemopt. One subprocess, one inter-op thread (TF itself is not deterministic ru
 to run otherwise).
 """
 
-import json
-
 import pytest
 
-from conftest import run_python
+from conftest import run_python, subprocess_result
 
 SCRIPT = r'''
 import json, sys
@@ -175,9 +173,7 @@ NAMES = ["keras_dropout_bn", "keras_augment", "generator_and_state"]
 @pytest.fixture(scope="module")
 def trained():
     proc = run_python(SCRIPT, *NAMES, env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return subprocess_result(proc)
 
 
 @pytest.mark.parametrize("name", NAMES)

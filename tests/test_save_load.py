@@ -9,14 +9,13 @@ holds a TfMemOpt node, op or name. All processes use one inter-op thread (TF its
 is not deterministic run to run otherwise).
 """
 
-import json
 import os
 import zipfile
 
 import pytest
 from tensorflow.core.protobuf import saved_model_pb2
 
-from conftest import run_python
+from conftest import run_python, subprocess_result
 
 COMMON = r'''
 import json, os, sys
@@ -122,12 +121,6 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def result_of(proc):
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 # Keras's train step: its own, or (fit under enable(), fit_retries) the one-batch step
 # the feedback loop calls.
@@ -137,10 +130,11 @@ TRAIN_GRAPHS = ("__inference_multi_step_on_iterator", "__inference_one_step_on_d
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     directory = tmp_path_factory.mktemp("saved")
-    trained = result_of(run_python(TRAIN, directory, env=ENV))
-    without = result_of(run_python(CONTINUE, directory, "without", env=ENV))
+    trained = subprocess_result(run_python(TRAIN, directory, env=ENV))
+    without = subprocess_result(run_python(CONTINUE, directory, "without", env=ENV))
     # The trainer's budget in bytes (the graphs are the same).
-    with_opt = result_of(run_python(CONTINUE, directory, "with", trained["budget"], env=ENV))
+    with_opt = subprocess_result(
+        run_python(CONTINUE, directory, "with", trained["budget"], env=ENV))
     return directory, trained, without, with_opt
 
 

@@ -7,7 +7,6 @@ until the join, `b` needs 60 MiB inside and leaves a small sum. TF's executor ru
 peaks at about 61 MiB. One control edge (`a` waits for `b`'s sum) enforces that.
 """
 
-import json
 import sys
 
 import numpy as np
@@ -18,7 +17,9 @@ from tensorflow.python.grappler import tf_optimizer
 import tfmemopt
 from tfmemopt.analysis import metagraph_of
 
-from conftest import BENCHMARKS, optimize, peak_before, run_python
+from conftest import (
+    BENCHMARKS, capped_allocator_env, optimize, peak_before, run_python, subprocess_result,
+)
 
 sys.path.insert(0, BENCHMARKS)
 import models  # noqa: E402
@@ -157,11 +158,8 @@ def measure(mode):
     import os
     here = os.path.dirname(os.path.abspath(__file__))
     proc = run_python(_MEASURE, here, mode,
-                      env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
-                           "TF_CPP_MIN_LOG_LEVEL": "2"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+                      env=capped_allocator_env(1024, TF_CPP_MIN_LOG_LEVEL="2"))
+    return subprocess_result(proc)
 
 
 def test_the_measured_peak_drops_and_losses_stay_bitwise_equal():

@@ -29,7 +29,9 @@ from tensorflow.python.grappler import tf_optimizer
 import tfmemopt
 from tfmemopt.analysis import metagraph_of
 
-from conftest import BENCHMARKS, optimize, peak_before, run_python
+from conftest import (
+    BENCHMARKS, capped_allocator_env, optimize, peak_before, run_python, subprocess_result,
+)
 
 sys.path.insert(0, BENCHMARKS)
 import models  # noqa: E402
@@ -280,9 +282,7 @@ print(report.to_text(), file=sys.stderr)
 
 def test_batch_norm_in_training_is_never_split():
     proc = run_python(BATCH_NORM_MODEL, BENCHMARKS.replace("benchmarks", "tests"))
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = subprocess_result(proc)
     split, ops = result["split"], result["ops"]
     assert split["applied"], split
     # Batch statistics mix the samples: the ops that compute them (the moments'
@@ -366,9 +366,7 @@ print("RESULT " + json.dumps({
 def batch_statistics(dtype, fraction, **fields):
     proc = run_python(BATCH_STATISTICS, BENCHMARKS.replace("benchmarks", "tests"), dtype,
                       fraction, json.dumps(fields))
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return subprocess_result(proc)
 
 
 def spread_over_batch(result):
@@ -536,10 +534,7 @@ print("RESULT " + json.dumps({
 def numerics(kind):
     step, (x, y) = models.seed_cnn(128)
     budget = int(0.3 * peak_before(step, x, y))
-    proc = run_python(NUMERICS, kind, budget)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return subprocess_result(run_python(NUMERICS, kind, budget))
 
 
 def test_per_sample_outputs_are_bitwise_and_weight_gradients_within_1e_5():
@@ -596,12 +591,8 @@ print("RESULT " + json.dumps({
 
 
 def four_conv(fields, cap_mb=512):
-    env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(cap_mb),
-           "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = run_python(FOUR_CONV, json.dumps(fields), env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    env = capped_allocator_env(cap_mb, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess_result(run_python(FOUR_CONV, json.dumps(fields), env=env))
 
 
 def test_a_four_convolution_cnn_trains_under_a_third_of_512_mib():

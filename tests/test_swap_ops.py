@@ -16,7 +16,7 @@ from tensorflow.python.grappler import cluster as grappler_cluster
 from tensorflow.python.grappler import tf_optimizer
 
 import tfmemopt
-from conftest import run_python
+from conftest import capped_allocator_env, run_python
 
 SWAP_OUT, SWAP_IN = "TfMemSwapOut", "TfMemSwapIn"
 PLAIN_TYPES = [tf.bool, tf.int8, tf.uint8, tf.int16, tf.uint16, tf.int32, tf.uint32,
@@ -265,9 +265,8 @@ print(json.dumps({"plain": run(False), "swap": run(True), "tensor_bytes": N * 4}
 
 
 def test_swapping_a_held_tensor_lowers_the_capped_bfc_peak():
-    result = run_python(CAPPED_BFC_PROGRAM, env={
-        "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024",
-        "TF_CPP_MIN_LOG_LEVEL": "2"})
+    result = run_python(CAPPED_BFC_PROGRAM,
+                        env=capped_allocator_env(1024, TF_CPP_MIN_LOG_LEVEL="2"))
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     plain, swap, tensor_bytes = measured["plain"], measured["swap"], measured["tensor_bytes"]

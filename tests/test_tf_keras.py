@@ -10,14 +10,13 @@ TF_USE_LEGACY_KERAS=1, where `tf.keras` is tf_keras: one for the plan, the state
 enable(), one per run of the retry under a capped allocator."""
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import run_python
+from conftest import capped_allocator_env, run_python, subprocess_result
 
 TF_KERAS = "tf-keras==2.21.0"
 
@@ -120,9 +119,8 @@ def tf_keras_env(tmp_path_factory):
 
 
 def _result(proc):
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):]), proc.stderr
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return subprocess_result(proc), proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -213,11 +211,11 @@ RETRY_CAP_MB = 48
 
 
 def _capped(env, mb):
-    return {**env, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(mb),
-            "TF_CPP_MIN_LOG_LEVEL": "1",
-            # an out-of-memory error inside some oneDNN kernels kills the interpreter
-            # (docs/troubleshooting.md)
-            "TF_ENABLE_ONEDNN_OPTS": "0"}
+    return {**env, **capped_allocator_env(
+        mb, TF_CPP_MIN_LOG_LEVEL="1",
+        # an out-of-memory error inside some oneDNN kernels kills the interpreter
+        # (docs/troubleshooting.md)
+        TF_ENABLE_ONEDNN_OPTS="0")}
 
 
 @pytest.mark.parametrize("mode", ["callback", "enable"])

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import BENCHMARKS, run_python
+from conftest import BENCHMARKS, capped_allocator_env, run_python
 
 sys.path.insert(0, BENCHMARKS)
 import v1_graphs  # noqa: E402
@@ -94,8 +94,7 @@ def test_nodes_no_fetch_needs_are_not_planned():
     # under the allocator the Session trial measures with (TF's BFC CPU allocator,
     # whose chunks the model counts only where the process uses it: without it, the
     # same graph is predicted at its live bytes, 9 % below what BFC measures).
-    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true",
-           "TF_CPU_BFC_MEM_LIMIT_IN_MB": "8192"}
+    env = capped_allocator_env(8192, TF_CPP_MIN_LOG_LEVEL="2")
     proc = run_python(_NEVER_RUN, BENCHMARKS, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
