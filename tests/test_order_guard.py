@@ -8,7 +8,6 @@ So whenever one choice peaks above the planned order, the planned order is pinne
 with control edges, even when that choice still meets the budget.
 """
 
-import json
 import sys
 
 import numpy as np
@@ -17,7 +16,7 @@ import tensorflow as tf
 
 import tfmemopt
 
-from conftest import BENCHMARKS, optimize, peak_before, run_python
+from conftest import BENCHMARKS, optimize, peak_before, run_python, subprocess_result
 
 sys.path.insert(0, BENCHMARKS)
 import models  # noqa: E402
@@ -257,11 +256,9 @@ def test_a_weight_sized_term_that_needs_no_gradient_waits_for_its_place(momentum
 
 
 def _train_momentum_mlp(budget):
-    proc = run_python(MOMENTUM_MLP, budget, env={"TF_CPU_ALLOCATOR_USE_BFC": "true",
-                                                 "TF_CPP_MIN_LOG_LEVEL": "2"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return subprocess_result(run_python(
+        MOMENTUM_MLP, budget, env={"TF_CPU_ALLOCATOR_USE_BFC": "true",
+                                   "TF_CPP_MIN_LOG_LEVEL": "2"}))
 
 
 def test_a_deferred_term_lowers_the_measured_peak_and_changes_no_bit(momentum_mlp):
