@@ -296,15 +296,14 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
   std::vector<int> target = order;
   if (!deferred.edges.empty()) {
     std::vector<int> later;
-    SimulationResult simulated;
+    std::map<std::string, int64_t> later_peaks;
     status = ExecutorOrder(*table, &later, InlineChoice::kNearestUpdate);
-    if (status.ok()) status = Simulate(*table, later, options.simulation, &simulated);
+    if (status.ok()) status = AddPeaks(*table, later, options.simulation, &later_peaks);
     if (!status.ok()) return status;
     bool raises = false;
-    for (const DeviceTimeline& device : simulated.devices) {
-      for (const DeviceTimeline& was : planned.devices) {
-        raises |= was.device == device.device && PredictedPeak(device) > PredictedPeak(was);
-      }
+    for (const DeviceTimeline& was : planned.devices) {
+      auto peak = later_peaks.find(was.device);
+      raises |= peak != later_peaks.end() && peak->second > PredictedPeak(was);
     }
     if (raises) {
       deferral.Undo(table);
