@@ -75,7 +75,7 @@ SETTINGS = {
     "efficientnet_b0": (256, 8),
     "text_cnn": (128, 16),
     "v1_session_cnn": (128, 64),
-    # --unseen: a cap about twice the model's step at its start batch, as above.
+    # --unseen: a cap a few times the model's step at its start batch, as above.
     "mobilenetv3small": (128, 16),
     "efficientnetv2b0": (256, 8),
     "nasnetmobile": (256, 4),
