@@ -233,6 +233,8 @@ const std::vector<OptionField>& Fields() {
       IntField<int64_t>("assume_trip_count", "int64", &O::assume_trip_count, 0, INT64_MAX),
       BoolField("pace_loops", &O::pace_loops),
       BoolField("count_memory_held_outside", &O::count_memory_held_outside),
+      IntField<int64_t>("allocator_region_bytes", "int64", &O::allocator_region_bytes, 0,
+                        INT64_MAX),
       ChoiceField(
           "test_only_fail_stage", "string", FailStages(),
           [](O* o, int i) { o->test_only_fail_stage = FailStages()[i]; },

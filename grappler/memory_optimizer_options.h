@@ -71,6 +71,10 @@ struct MemoryOptimizerOptions {
   // dataset, another model, eager tensors), is taken from it
   // (DeviceReport::held_outside_bytes). budget_bytes is the step's own.
   bool count_memory_held_outside = true;
+  // A BFC region of this many bytes that every BFC device's pool holds before the
+  // step (a GPU without memory growth: its whole memory; the CPU test bed after
+  // tfmemopt.enable() reserved it); 0: the pool grows from 2 MiB regions.
+  int64_t allocator_region_bytes = 0;
   // Test-only: name of the stage that must fail ("" = none).
   std::string test_only_fail_stage;
   // Test-only: bytes a changed graph holds through its step, unpredicted

@@ -242,13 +242,18 @@ SimulationOptions SimulationFor(const std::vector<DeviceReport>& devices,
   SimulationOptions simulation;
   for (const std::string& name : table.devices) {
     int64_t limit = 0;
+    int64_t region = 0;
     for (const DeviceReport& device : devices) {
-      // Memory held outside the graph is not the step's to use (0 unless counted).
+      // Memory held outside the graph is not the step's to use (0 unless counted);
+      // what holds it sits in the region the pool already has, if any.
       if (device.device == name && device.allocator == "bfc") {
         limit = std::max<int64_t>(1, device.memory_bytes - device.held_outside_bytes);
+        region = std::clamp<int64_t>(device.allocator_region_bytes - device.held_outside_bytes,
+                                     0, limit);
       }
     }
     simulation.bfc_memory_limit.push_back(limit);
+    simulation.bfc_first_region.push_back(region);
   }
   // A Session's initializer made the variables, in graph order, before the step:
   // that is the one history, and a plan built to fit the others would hold back
@@ -527,6 +532,12 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       DescribeDeviceMemory(cluster, &devices[d]);
     }
     ShareCpuAllocator(&devices);
+    for (DeviceReport& device : devices) {
+      if (device.allocator != "bfc") continue;
+      device.allocator_region_bytes =
+          std::min(options.allocator_region_bytes / std::max(1, device.memory_shared_by),
+                   device.memory_bytes);
+    }
     absl::Status s = TopologicalOrder(item.graph, table, &order);
     if (!s.ok()) return s;
     s = AnalyzeControlFlow(item.graph, table, order, &flow);

@@ -65,6 +65,10 @@ struct DeviceReport {
   // graph's persistent buffers or inputs: memory the step cannot use, taken from
   // budget_bytes when count_memory_held_outside applies (else 0).
   int64_t held_outside_bytes = 0;
+  // A BFC region the pool holds before the step (allocator_region_bytes, at most the
+  // device's memory), which the allocator model starts from; 0: the pool grows in
+  // regions of 2 MiB, 4 MiB, ... (docs/allocator.md).
+  int64_t allocator_region_bytes = 0;
 };
 
 // Fills DeviceReport::max_op_working_set_* for `device` from `table`.

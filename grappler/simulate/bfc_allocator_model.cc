@@ -15,20 +15,16 @@ int64_t Rounded(int64_t bytes) {
 
 }  // namespace
 
-BfcAllocatorModel::BfcAllocatorModel(int64_t memory_limit)
+BfcAllocatorModel::BfcAllocatorModel(int64_t memory_limit, int64_t first_region_bytes)
     : memory_limit_(memory_limit),
-      next_region_bytes_(Rounded(std::min<int64_t>(memory_limit, 2 << 20))) {}
+      next_region_bytes_(Rounded(std::min<int64_t>(memory_limit, 2 << 20))) {
+  // BFC rounds a region down to 256 bytes when it takes the rest of its limit.
+  const int64_t first =
+      std::min(first_region_bytes, memory_limit) / kMinAllocationSize * kMinAllocationSize;
+  if (first > 0) AddRegion(first);
+}
 
-bool BfcAllocatorModel::Extend(int64_t rounded) {
-  const int64_t available = (memory_limit_ - pool_) / kMinAllocationSize * kMinAllocationSize;
-  if (rounded > available) return false;
-  bool increased = false;
-  while (rounded > next_region_bytes_) {
-    next_region_bytes_ *= 2;
-    increased = true;
-  }
-  const int64_t bytes = std::min(next_region_bytes_, available);
-  if (!increased) next_region_bytes_ *= 2;
+void BfcAllocatorModel::AddRegion(int64_t bytes) {
   // Regions are separate address ranges: a gap keeps chunks of two regions from
   // ever coalescing, as in BFC without region coalescing. Each new region lies
   // below the previous ones: the CPU sub-allocator's posix_memalign serves these
@@ -40,6 +36,19 @@ bool BfcAllocatorModel::Extend(int64_t rounded) {
   chunks_[address] = Chunk{bytes, next_region_++, false};
   free_.insert({bytes, address});
   pool_ += bytes;
+}
+
+bool BfcAllocatorModel::Extend(int64_t rounded) {
+  const int64_t available = (memory_limit_ - pool_) / kMinAllocationSize * kMinAllocationSize;
+  if (rounded > available) return false;
+  bool increased = false;
+  while (rounded > next_region_bytes_) {
+    next_region_bytes_ *= 2;
+    increased = true;
+  }
+  const int64_t bytes = std::min(next_region_bytes_, available);
+  if (!increased) next_region_bytes_ *= 2;
+  AddRegion(bytes);
   return true;
 }
 

@@ -8,7 +8,10 @@
 // sizes. The model replays allocations and frees with BFC's rules: 256-byte
 // rounding, best fit (smallest chunk, then lowest address), the split rule,
 // coalescing of free neighbours, and regions that start at 2 MiB and double
-// (allow_growth), never merged with each other.
+// (allow_growth), never merged with each other. A pool that already holds a large
+// region when the step starts (a GPU without memory growth holds its whole memory as
+// one; tfmemopt.enable() reserves one on the CPU test bed, docs/allocator.md) is
+// modelled by making that region first.
 #ifndef TFMEMOPT_GRAPPLER_SIMULATE_BFC_ALLOCATOR_MODEL_H_
 #define TFMEMOPT_GRAPPLER_SIMULATE_BFC_ALLOCATOR_MODEL_H_
 
@@ -24,7 +27,9 @@ namespace tfmemopt {
 
 class BfcAllocatorModel {
  public:
-  explicit BfcAllocatorModel(int64_t memory_limit);
+  // `first_region_bytes` > 0: the pool starts with one free region of that many
+  // bytes (at most the limit); what is left of the limit grows as usual.
+  explicit BfcAllocatorModel(int64_t memory_limit, int64_t first_region_bytes = 0);
 
   // Returns an id for the allocation, or -1 if BFC would run out of memory.
   int64_t Allocate(int64_t bytes);
@@ -56,6 +61,7 @@ class BfcAllocatorModel {
     bool in_use = false;
   };
   bool Extend(int64_t rounded);
+  void AddRegion(int64_t bytes);
   void InsertFree(int64_t address);
 
   int64_t memory_limit_;

@@ -1309,7 +1309,9 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
     }
     bool first = true;
     for (ResidentHistory history : options.allocator_histories) {
-      BfcAllocatorModel allocator(options.bfc_memory_limit[d]);
+      BfcAllocatorModel allocator(
+          options.bfc_memory_limit[d],
+          d < static_cast<int>(options.bfc_first_region.size()) ? options.bfc_first_region[d] : 0);
       AllocatorListener listener(table, order, device_of_node, device_of_buffer, d, &allocator,
                                  beside ? &loops : nullptr);
       listener.AllocateResident(history);

@@ -108,6 +108,9 @@ struct SimulationOptions {
   // Per device (TensorTable::devices order): the BFC memory limit to model, or 0
   // for devices whose allocator is not BFC. Empty: no allocator model.
   std::vector<int64_t> bfc_memory_limit;
+  // Per device, beside bfc_memory_limit: a region the pool already holds when the
+  // step starts (MemoryOptimizerOptions::allocator_region_bytes); 0 or missing: none.
+  std::vector<int64_t> bfc_first_region;
   // The allocator model runs the order `warmup_steps` times (BFC's regions grow
   // during the first steps), then `measured_steps` more times and keeps the
   // highest peak. The peak moves from step to step: a variable that an update

@@ -329,18 +329,23 @@ class Report:
                    if d.get("memory_shared_by", 1) > 1 else "")
                 + (f", of which {format_bytes(d['held_outside_bytes'])} held outside this"
                    " graph when it was planned" if d.get("held_outside_bytes") else "")
+                + (f"; its pool holds one region of {format_bytes(d['allocator_region_bytes'])}"
+                   if d.get("allocator") == "bfc" and d.get("allocator_region_bytes") else "")
                 + f"), persistent {format_bytes(d['persistent_bytes'])}"
                 + (f", live tensors at the peak {format_bytes(d['live_peak_bytes'])}"
                    f" (BFC allocator model{_histories(d)})" if d.get("allocator") == "bfc"
                    else "")
             )
             if d.get("allocator_refused_bytes"):
+                why = (" no free chunk of its region is that large (the tensors live there"
+                       " leave the free bytes in smaller pieces)"
+                       if d.get("allocator_region_bytes") else
+                       " no free chunk of its regions is that large (a tensor must fit in one"
+                       " region; they start at 2 MiB, double and are never merged)")
                 lines.append(
                     f"  {name}: BFC runs out of memory allocating "
                     f"{format_bytes(d['allocator_refused_bytes'])} for {d['allocator_refused']}:"
-                    " no free chunk of its regions is that large (a tensor must fit in one"
-                    " region; they start at 2 MiB, double and are never merged), although"
-                    " the peak is below the device's memory"
+                    + why + ", although the peak is below the device's memory"
                 )
             measured = (self.measured_peak_bytes or {}).get(d["device"])
             if measured:
