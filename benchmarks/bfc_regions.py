@@ -7,17 +7,19 @@ not, although 768.3 MiB is far below the cap. A training step that needs three s
 tensors at once (seed000's ReluGrad: [B, 24, 24, 64] floats, its two inputs and its
 output) therefore runs out of memory at B = 1821 whatever is freed or swapped around
 it. This benchmark measures it with real allocations, one fresh interpreter per trial
-(a process's regions are never given back).
+(a process's regions are never given back). --reserve first reserves the pool as one
+region, as tfmemopt.enable() does (tfmemopt.memory_pool.reserve_cpu_pool(),
+docs/allocator.md#reserving-the-pool): then a tensor may be as large as the free bytes.
 
 Usage:
-  python benchmarks/bfc_regions.py [--cap-mb 1024] [--mib 255.9 256.1] [--count 3] [--json]
+  python benchmarks/bfc_regions.py [--cap-mb 1024] [--mib 255.9 256.1] [--count 3] [--reserve] [--json]
   python benchmarks/bfc_regions.py --per-sample-bytes 147456 --count 3 \
       --persistent-mib 13.7 --lo 1024 --hi 3072 [--json]
 The first form tries `count` tensors of each size; the second bisects the largest batch
 B at which `persistent-mib` (allocated first, as one tensor) and then `count` tensors of
 per-sample-bytes x B bytes are held at once.
 --json prints one JSON object as the last line of stdout:
-{"cap_mb", "count", "trials": [{"mib", "held", "fits"}], "max_batch" (second form)}.
+{"cap_mb", "count", "reserve", "trials": [{"mib", "held", "fits"}], "max_batch" (second form)}.
 """
 
 import argparse
@@ -28,8 +30,11 @@ import sys
 
 CHILD = r"""
 import json, os, sys
+sizes, reserve = json.loads(sys.argv[1]), sys.argv[2] == "1"
+if reserve:
+    import tfmemopt.memory_pool
+    print("RESERVED", tfmemopt.memory_pool.reserve_cpu_pool()["region_bytes"])
 import tensorflow as tf
-sizes = json.loads(sys.argv[1])
 held = []
 for size in sizes:
     try:
@@ -41,11 +46,12 @@ print("HELD", len(held))
 """
 
 
-def hold(cap_mb, sizes):
-    """How many of `sizes` (bytes, allocated in turn and all kept) a fresh process holds."""
+def hold(cap_mb, sizes, reserve=False):
+    """How many of `sizes` (bytes, allocated in turn and all kept) a fresh process holds,
+    after reserving the pool as one region if `reserve`."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
                TF_CPU_BFC_MEM_LIMIT_IN_MB=str(cap_mb), TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(sizes)],
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(sizes), "1" if reserve else "0"],
                           capture_output=True, text=True, env=env, timeout=600)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("HELD ")]
     if not lines:
@@ -65,6 +71,8 @@ def main():
                         help="allocated first and kept (variables), MiB")
     parser.add_argument("--lo", type=int, default=1, help="smallest batch (bisection)")
     parser.add_argument("--hi", type=int, default=4096, help="largest batch (bisection)")
+    parser.add_argument("--reserve", action="store_true",
+                        help="reserve the pool as one region first, as tfmemopt.enable() does")
     parser.add_argument("--json", action="store_true",
                         help="print the results as one JSON line, last")
     args = parser.parse_args()
@@ -76,13 +84,15 @@ def main():
     trials, max_batch = [], None
 
     def trial(tensor_bytes, label):
-        held = hold(args.cap_mb, persistent + [tensor_bytes] * args.count) - len(persistent)
+        held = (hold(args.cap_mb, persistent + [tensor_bytes] * args.count, args.reserve)
+                - len(persistent))
         fits = held == args.count
         trials.append({"mib": tensor_bytes / 2**20, "held": max(held, 0), "fits": fits,
                        **label})
         print(f"{args.count} x {tensor_bytes / 2**20:.2f} MiB{''.join(f', {k} {v}' for k, v in label.items())}: "
               f"{'fit' if fits else f'only {max(held, 0)} held'} (cap {args.cap_mb} MiB"
-              f"{f', after {args.persistent_mib} MiB persistent' if persistent else ''})",
+              f"{f', after {args.persistent_mib} MiB persistent' if persistent else ''}"
+              f"{', pool reserved as one region' if args.reserve else ''})",
               flush=True)
         return fits
 
@@ -105,7 +115,7 @@ def main():
         for mib in args.mib:
             trial(int(mib * 2**20), {})
     if args.json:
-        print(json.dumps({"cap_mb": args.cap_mb, "count": args.count,
+        print(json.dumps({"cap_mb": args.cap_mb, "count": args.count, "reserve": args.reserve,
                           "persistent_mib": args.persistent_mib, "trials": trials,
                           "max_batch": max_batch}))
     return 0

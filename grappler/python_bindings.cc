@@ -8,6 +8,7 @@
 
 #include "grappler/analyze/function_bodies.h"
 #include "grappler/memory_optimizer_options.h"
+#include "grappler/ops/bfc_pool_reservation.h"
 #include "grappler/ops/host_memory_pool.h"
 #include "grappler/register_pass.h"
 #include "grappler/report/memory_report.h"
@@ -52,6 +53,20 @@ PYBIND11_MODULE(_ext, m) {
       },
       "Parses a serialized custom optimizer entry as the pass's Init() does; returns "
       "'' or the error message.");
+  m.def(
+      "reserve_cpu_pool",
+      [](int64_t min_region_bytes) {
+        const tfmemopt::PoolReservation r = tfmemopt::ReserveCpuPool(min_region_bytes);
+        py::dict d;
+        d["region_bytes"] = r.region_bytes;
+        d["limit_bytes"] = r.limit_bytes;
+        d["pool_bytes"] = r.pool_bytes;
+        d["reason"] = r.reason;
+        return d;
+      },
+      py::arg("min_region_bytes"),
+      "Reserves the rest of the CPU BFC allocator's limit as one region (the test "
+      "bed); returns region_bytes (0: none, then reason), limit_bytes, pool_bytes.");
   m.def(
       "host_pool_stats",
       [] {

@@ -143,7 +143,8 @@ def test_bfc_regions_hold_three_tensors_just_below_256_mib_but_not_just_above():
     # Why seed000 stops at batch 1820 in every configuration: under a 1024 MiB cap,
     # BFC's doubling regions (never merged) fit three 255.9 MiB tensors and only two
     # of 256.1 MiB, though 768.3 MiB is far below the cap. The pass cannot move this
-    # limit without splitting ops.
+    # limit without splitting ops, or reserving the pool as one region
+    # (test_memory_pool.py).
     import subprocess
     import sys
 

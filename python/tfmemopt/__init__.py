@@ -20,7 +20,7 @@ from tfmemopt._loader import load_extension as _load_extension
 
 _ext = _load_extension()
 
-from tfmemopt import _eager_context, _keras_hook, function_guard  # noqa: E402
+from tfmemopt import _eager_context, _keras_hook, function_guard, memory_pool  # noqa: E402
 from tfmemopt.config import (  # noqa: E402
     MEMORY_OPTIMIZATION_LEVELS,
     PASS_NAME,
@@ -49,7 +49,7 @@ _fit_retries = 0  # enable()'s fit_retries
 _function_retries = 0  # enable()'s function_retries
 
 
-def enable(budget=None, *, fit_retries=3, function_retries=3, **fields):
+def enable(budget=None, *, fit_retries=3, function_retries=3, reserve_memory=True, **fields):
     """Runs TfMemOpt on every tf.function, Keras fit and distribute graph traced
     afterwards, in any thread.
 
@@ -70,11 +70,25 @@ def enable(budget=None, *, fit_retries=3, function_retries=3, **fields):
     and retried with the same inputs this many times, its variables put back first
     (tfmemopt.function_guard; docs/usage.md#when-a-plan-runs-out-of-memory). 0 leaves its calls
     as TF makes them.
+
+    reserve_memory: on the CPU test bed (TF_CPU_ALLOCATOR_USE_BFC=true), whose BFC
+    allocator grows in regions of 2 MiB, 4 MiB, ... that a tensor cannot straddle,
+    reserve the rest of its limit as one region now, as a GPU without memory growth
+    has it, and plan for that region (allocator_region_bytes;
+    docs/allocator.md#reserving-the-pool). Touches no page and does not initialize
+    TF. False: the allocator grows as TF makes it. Without a BFC allocator it does
+    nothing.
     """
     global _enabled, _fit_retries, _function_retries
     for name, value in (("fit_retries", fit_retries), ("function_retries", function_retries)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"tfmemopt.enable: {name}={value!r}; allowed: an int >= 0")
+    if not isinstance(reserve_memory, bool):
+        raise ValueError(f"tfmemopt.enable: reserve_memory={reserve_memory!r}; allowed: "
+                         f"True or False")
+    make_config(budget, **fields)  # raises on a bad argument before anything changes
+    if reserve_memory and "allocator_region_bytes" not in fields:
+        memory_pool.reserve_cpu_pool()
     config = make_config(budget, **fields)
     entry = custom_optimizer_entry(config)
     with _lock:

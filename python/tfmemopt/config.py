@@ -201,6 +201,12 @@ def make_config(budget=None, **fields):
         )
     for name, value in {**fields, **budget_fields}.items():
         _set_field(message, name, value)
+    # Every config built in a process whose CPU pool tfmemopt.enable() reserved plans
+    # for that pool (analyze(), tfmemopt.function, the Keras callback, Sessions).
+    from tfmemopt import memory_pool
+
+    if "allocator_region_bytes" not in fields and memory_pool.reserved_region_bytes():
+        message.allocator_region_bytes = memory_pool.reserved_region_bytes()
     error = _ext.check_custom_optimizer(custom_optimizer_entry(message).SerializeToString())
     if error:
         raise ValueError(error.replace("TfMemOpt: parameter_map key", "tfmemopt: field"))

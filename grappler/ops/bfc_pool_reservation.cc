@@ -1,0 +1,53 @@
+#include "grappler/ops/bfc_pool_reservation.h"
+
+#include <optional>
+
+#include "tensorflow/core/common_runtime/process_state.h"
+#include "tensorflow/core/framework/allocator.h"
+#include "tensorflow/core/platform/numa.h"
+
+namespace tfmemopt {
+
+PoolReservation ReserveCpuPool(int64_t min_region_bytes) {
+  PoolReservation out;
+  tensorflow::Allocator* allocator =
+      tensorflow::ProcessState::singleton()->GetCPUAllocator(tensorflow::port::kNUMANoAffinity);
+  if (allocator == nullptr) {
+    out.reason = "TF has no CPU allocator";
+    return out;
+  }
+  // TF's default CPU allocator hands each tensor its own malloc; only the test bed's
+  // ("bfc_cpu_allocator_for_gpu") has regions.
+  const std::optional<tensorflow::AllocatorStats> stats = allocator->GetStats();
+  if (allocator->Name().find("bfc") == std::string::npos || !stats ||
+      !stats->bytes_limit.has_value() || *stats->bytes_limit <= 0) {
+    out.reason = "the CPU allocator is not BFC (TF_CPU_ALLOCATOR_USE_BFC is not set)";
+    return out;
+  }
+  out.limit_bytes = *stats->bytes_limit;
+  out.pool_bytes = stats->pool_bytes.value_or(0);
+  // BFC's Extend() takes the rest of the limit rounded down to 256 bytes; asking for
+  // exactly that makes one region of it (the next power-of-two region size is
+  // capped by what is left).
+  const int64_t available = (out.limit_bytes - out.pool_bytes) / 256 * 256;
+  if (available < min_region_bytes) {
+    out.reason = "the allocator's regions already hold its limit (" +
+                 std::to_string(out.pool_bytes) + " of " + std::to_string(out.limit_bytes) +
+                 " bytes)";
+    return out;
+  }
+  void* block = allocator->AllocateRaw(tensorflow::Allocator::kAllocatorAlignment, available);
+  if (block == nullptr) {
+    out.reason = "BFC could not make a region of " + std::to_string(available) + " bytes";
+    return out;
+  }
+  allocator->DeallocateRaw(block);
+  (void)allocator->ClearStats();
+  const std::optional<tensorflow::AllocatorStats> after = allocator->GetStats();
+  const int64_t before = out.pool_bytes;
+  out.pool_bytes = after && after->pool_bytes ? *after->pool_bytes : before + available;
+  out.region_bytes = out.pool_bytes - before;
+  return out;
+}
+
+}  // namespace tfmemopt
