@@ -357,11 +357,7 @@ std::vector<int64_t> RunAheadBytes(const TensorTable& table, const LoopPacingRes
     auto device = std::lower_bound(table.devices.begin(), table.devices.end(),
                                    table.nodes[n].device);
     if (ahead <= 0 || device == table.devices.end() || *device != table.nodes[n].device) continue;
-    const int d = static_cast<int>(device - table.devices.begin());
-    for (int t : table.nodes[n].outputs) {
-      const BufferInfo& buffer = table.buffers[table.tensors[t].buffer];
-      if (buffer.owner == t && !buffer.persistent) bytes[d] += ahead * buffer.bytes;
-    }
+    bytes[device - table.devices.begin()] += ahead * AllocatedOutputBytes(table, n);
   }
   return bytes;
 }

@@ -500,6 +500,17 @@ std::string ShortDeviceName(const std::string& device) {
   return absl::StrCat(parsed.type, ":", parsed.id);
 }
 
+int64_t AllocatedOutputBytes(const TensorTable& table, int n) {
+  int64_t bytes = 0;
+  for (int t : table.nodes[n].outputs) {
+    const int b = table.tensors[t].buffer;
+    if (b >= 0 && table.buffers[b].owner == t && !table.buffers[b].persistent) {
+      bytes += table.buffers[b].bytes;
+    }
+  }
+  return bytes;
+}
+
 bool ReadsShapeOnly(const std::string& op) {
   return op == "Shape" || op == "ShapeN" || op == "Size" || op == "Rank";
 }

@@ -179,6 +179,10 @@ std::string ShortDeviceName(const std::string& device);
 // True for ops that only read their input's shape (Shape, ShapeN, Size, Rank).
 bool ReadsShapeOnly(const std::string& op);
 
+// Bytes node `n` allocates for its outputs: the buffers its outputs own (not
+// forwarded from an input) that are not persistent.
+int64_t AllocatedOutputBytes(const TensorTable& table, int n);
+
 // A function's return value (_Retval, _DeviceRetval). TF takes these out of the
 // function's body, so no node may read one or wait for one.
 bool IsReturnValue(const tensorflow::NodeDef& def);

@@ -12,6 +12,14 @@ namespace {
 constexpr InlineChoice kChoices[] = {InlineChoice::kNearestUpdate, InlineChoice::kFirstInGraph,
                                      InlineChoice::kLastInGraph};
 
+// Calls fn(p) for each node that node `n` waits for: the producers of its inputs, then
+// its control inputs.
+template <typename Fn>
+void ForEachFanin(const TensorTable& table, int n, Fn fn) {
+  for (int t : table.nodes[n].inputs) fn(table.tensors[t].node);
+  for (int c : table.nodes[n].control_inputs) fn(c);
+}
+
 // Per node, whether TF's executor may run it at the very start of the step with
 // several inter-op threads: it is not under control flow, and every node it waits
 // for (data or control) runs at the start too and is inexpensive (an _Arg, a
@@ -30,8 +38,7 @@ std::vector<bool> RunsAtStart(const TensorTable& table, const ControlFlowInfo& f
     auto wait_for = [&](int p) {
       if (p < 0 || !seen[p] || !at_start[p] || IsExpensiveKernel(table, p)) early = false;
     };
-    for (int t : table.nodes[n].inputs) wait_for(table.tensors[t].node);
-    for (int c : table.nodes[n].control_inputs) wait_for(c);
+    ForEachFanin(table, n, wait_for);
     at_start[n] = early;
   }
   return at_start;
@@ -66,28 +73,24 @@ absl::Status AddPeaks(const TensorTable& table, const std::vector<int>& order,
   return absl::OkStatus();
 }
 
-// Per device name, the peak of the order in which the nodes that may run at the
-// start do (EagerStartOrder of the default choice's order).
-absl::Status EagerStartPeaks(const TensorTable& table, const ControlFlowInfo& flow,
-                             const SimulationOptions& simulation,
-                             std::map<std::string, int64_t>* peaks) {
-  peaks->clear();
-  std::vector<int> order;
-  absl::Status status = ExecutorOrder(table, &order, InlineChoice::kNearestUpdate);
-  if (!status.ok()) return status;
-  return AddPeaks(table, EagerStartOrder(order, RunsAtStart(table, flow, order)), simulation,
-                  peaks);
-}
-
-// Per device name, the highest PredictedPeak over the choices' orders.
-absl::Status WorstPeaks(const TensorTable& table, const SimulationOptions& simulation,
-                        std::map<std::string, int64_t>* worst) {
+// Per device name, the highest PredictedPeak over the choices' orders (`worst`), and
+// the peak of the order in which the nodes that may run at the start do
+// (EagerStartOrder of the default choice's order, `eager_start`).
+absl::Status WorstPeaks(const TensorTable& table, const ControlFlowInfo& flow,
+                        const SimulationOptions& simulation,
+                        std::map<std::string, int64_t>* worst,
+                        std::map<std::string, int64_t>* eager_start) {
   worst->clear();
+  eager_start->clear();
   for (InlineChoice choice : kChoices) {
     std::vector<int> order;
     absl::Status status = ExecutorOrder(table, &order, choice);
     if (!status.ok()) return status;
     status = AddPeaks(table, order, simulation, worst);
+    if (!status.ok()) return status;
+    if (choice != InlineChoice::kNearestUpdate) continue;
+    status = AddPeaks(table, EagerStartOrder(order, RunsAtStart(table, flow, order)),
+                      simulation, eager_start);
     if (!status.ok()) return status;
   }
   return absl::OkStatus();
@@ -98,18 +101,6 @@ std::map<std::string, int64_t> Higher(std::map<std::string, int64_t> a,
                                       const std::map<std::string, int64_t>& b) {
   for (const auto& [device, peak] : b) a[device] = std::max(a[device], peak);
   return a;
-}
-
-// Bytes node `n` allocates for its outputs (not forwarded, not persistent).
-int64_t AllocatedOutputBytes(const TensorTable& table, int n) {
-  int64_t bytes = 0;
-  for (int t : table.nodes[n].outputs) {
-    const int b = table.tensors[t].buffer;
-    if (b >= 0 && table.buffers[b].owner == t && !table.buffers[b].persistent) {
-      bytes += table.buffers[b].bytes;
-    }
-  }
-  return bytes;
 }
 
 // A node that may run at the start (RunsAtStart), allocates at least `min_bytes` and
@@ -129,20 +120,14 @@ void DeferStartNodes(TensorTable* table, const ControlFlowInfo& flow,
   for (int n = 0; n < num_nodes; ++n) {
     for (int c : table->nodes[n].control_inputs) control_out[c].push_back(n);
   }
-  auto fanins = [&](int n) {
-    std::vector<int> out;
-    for (int t : table->nodes[n].inputs) out.push_back(table->tensors[t].node);
-    out.insert(out.end(), table->nodes[n].control_inputs.begin(),
-               table->nodes[n].control_inputs.end());
-    return out;
-  };
   std::vector<int> mark(num_nodes, -1);  // mark[m] == n: m depends on n
   for (int n : target) {
     if (!at_start[n] || AllocatedOutputBytes(*table, n) < min_bytes || !MayWait(*table, flow, n)) {
       continue;
     }
     bool reads_large = false;
-    for (int p : fanins(n)) reads_large |= AllocatedOutputBytes(*table, p) >= min_bytes;
+    ForEachFanin(*table, n,
+                 [&](int p) { reads_large |= AllocatedOutputBytes(*table, p) >= min_bytes; });
     if (reads_large) continue;
     int first = -1;
     for (int t : table->nodes[n].outputs) {
@@ -169,13 +154,13 @@ void DeferStartNodes(TensorTable* table, const ControlFlowInfo& flow,
       for (int c : control_out[m]) visit(c);
     }
     int wait_for = -1;
-    for (int p : fanins(first)) {
+    ForEachFanin(*table, first, [&](int p) {
       if (p == n || mark[p] == n || at_start[p] || position[p] <= position[n] ||
           !MayBeWaitedFor(*table, flow, p)) {
-        continue;
+        return;
       }
       if (wait_for < 0 || position[p] > position[wait_for]) wait_for = p;
-    }
+    });
     if (wait_for < 0) continue;
     edit->SaveControlInputs(*table, n);
     table->nodes[n].control_inputs.push_back(wait_for);
@@ -244,8 +229,7 @@ void WaitForPredecessors(TensorTable* table, const ControlFlowInfo& flow,
         last = p;
       }
     };
-    for (int t : table->nodes[s].inputs) consider(table->tensors[t].node);
-    for (int c : table->nodes[s].control_inputs) consider(c);
+    ForEachFanin(*table, s, consider);
     if (last < 0 || !IsExpensiveKernel(*table, s)) continue;
     if (claimed[last] < 0) {
       claimed[last] = s;
@@ -275,8 +259,8 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
   for (const auto& [device, bytes] : options.budget_bytes) result->checked |= bytes > 0;
   if (!result->checked) return absl::OkStatus();
   std::map<std::string, int64_t> choices_before, eager_before;
-  absl::Status status = WorstPeaks(*table, options.simulation, &choices_before);
-  if (status.ok()) status = EagerStartPeaks(*table, flow, options.simulation, &eager_before);
+  absl::Status status =
+      WorstPeaks(*table, flow, options.simulation, &choices_before, &eager_before);
   if (!status.ok()) return status;
   result->worst_peak_before_bytes = choices_before;
   result->worst_peak_after_bytes = choices_before;
@@ -327,8 +311,7 @@ absl::Status GuardOrder(TensorTable* table, const ControlFlowInfo& flow,
   pinned.edges.insert(pinned.edges.begin(), ready_sets.edges.begin(), ready_sets.edges.end());
   pinned.edges.insert(pinned.edges.begin(), deferred.edges.begin(), deferred.edges.end());
   std::map<std::string, int64_t> choices_after, eager_after;
-  status = WorstPeaks(*table, options.simulation, &choices_after);
-  if (status.ok()) status = EagerStartPeaks(*table, flow, options.simulation, &eager_after);
+  status = WorstPeaks(*table, flow, options.simulation, &choices_after, &eager_after);
   if (!status.ok()) return status;
   result->complete = pinned.complete;
   if (!pinned.complete && !Lowers(Higher(choices_after, eager_after),
