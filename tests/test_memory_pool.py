@@ -8,6 +8,7 @@ without memory growth, and plans for it (allocator_region_bytes).
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -124,3 +125,13 @@ print("RESULT " + json.dumps({"error": error, "has_region": config.HasField("all
     assert not result["has_region"]
     assert result["reservation"]["region_bytes"] == 0
     assert "not BFC" in result["reservation"]["reason"]
+    # BFC without a cap: its 64 GiB default limit is not reserved (nor tried, which
+    # would log an out-of-memory dump).
+    proc = run_python(code, env={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "1"})
+    result = subprocess_result(proc)
+    assert "ran out of memory" not in proc.stderr
+    if os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") < 64 * 1024 * MIB:
+        assert not result["has_region"] and result["reservation"]["region_bytes"] == 0
+        assert "above the host's RAM" in result["reservation"]["reason"]
+    else:  # a host with more RAM than the default limit reserves all of it
+        assert result["reservation"]["region_bytes"] == 64 * 1024 * MIB

@@ -1,5 +1,7 @@
 #include "grappler/ops/bfc_pool_reservation.h"
 
+#include <unistd.h>
+
 #include <optional>
 
 #include "tensorflow/core/common_runtime/process_state.h"
@@ -30,6 +32,15 @@ PoolReservation ReserveCpuPool(int64_t min_region_bytes) {
   // exactly that makes one region of it (the next power-of-two region size is
   // capped by what is left).
   const int64_t available = (out.limit_bytes - out.pool_bytes) / 256 * 256;
+  // Without TF_CPU_BFC_MEM_LIMIT_IN_MB the limit is 64 GiB: a region that large
+  // may not be mapped at all, and BFC would log an out-of-memory dump for trying.
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page_size > 0 && available > static_cast<int64_t>(pages) * page_size) {
+    out.reason = "the allocator's limit (" + std::to_string(out.limit_bytes) +
+                 " bytes) is above the host's RAM; set TF_CPU_BFC_MEM_LIMIT_IN_MB";
+    return out;
+  }
   if (available < min_region_bytes) {
     out.reason = "the allocator's regions already hold its limit (" +
                  std::to_string(out.pool_bytes) + " of " + std::to_string(out.limit_bytes) +
