@@ -27,7 +27,8 @@ measured with default threads and with one inter-op thread, and reported apart:
 they do not count in max_abs_error.
 
 Usage: python benchmarks/peak_accuracy.py [--models NAME ...] [--inter-op N]
-           [--budget-ratio R] [--no-planned] [--warmup N] [--steps N] [--runs N] [--json]
+           [--budget-ratio R] [--no-planned] [--warmup N] [--steps N] [--runs N]
+           [--reserve-memory] [--json]
 With --json, the last line of stdout is one JSON object:
 {"models": {name: {"unplanned": M, "planned": M}}, "apart": {name: {"default":
 {"unplanned": M, "planned": M}, "inter_op_1": {...}}}, "max_abs_error",
@@ -59,11 +60,11 @@ if inter_op:
 import tfmemopt
 from models import MODELS
 tf.keras.utils.set_random_seed(0)
-budget = int(sys.argv[6])
+budget, reserve = int(sys.argv[6]), sys.argv[8] == "1"
 if budget:
-    tfmemopt.enable(budget=budget, log_level=0, **json.loads(sys.argv[7]))
+    tfmemopt.enable(budget=budget, log_level=0, reserve_memory=reserve, **json.loads(sys.argv[7]))
 else:
-    tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0)
+    tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0, reserve_memory=reserve)
 step, args = MODELS[sys.argv[2]]()
 # What the model, its data and its variables hold before the first step (it tells
 # whether TF copied the caller's NumPy-made inputs into its allocator: docs/allocator.md).
@@ -93,15 +94,16 @@ print("TRIAL " + json.dumps({
 """
 
 
-def run_trial(name, inter_op=0, warmup=2, steps=5, budget=0, timeout=1800, fields=None):
+def run_trial(name, inter_op=0, warmup=2, steps=5, budget=0, timeout=1800, fields=None,
+              reserve=False):
     """Trains `name` in a fresh interpreter; returns its predicted and measured peaks.
     budget > 0: the pass plans under that many bytes, with tfmemopt.enable()'s other
-    `fields` ({} by default); 0: ANALYZE_ONLY."""
+    `fields` ({} by default); 0: ANALYZE_ONLY. reserve: enable(reserve_memory=True)."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
     env.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16384")
     proc = subprocess.run(
         [sys.executable, "-c", _TRIAL, HERE, name, str(inter_op), str(warmup), str(steps),
-         str(budget), json.dumps(fields or {})],
+         str(budget), json.dumps(fields or {}), "1" if reserve else "0"],
         capture_output=True, text=True, env=env, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("TRIAL "):
@@ -109,9 +111,10 @@ def run_trial(name, inter_op=0, warmup=2, steps=5, budget=0, timeout=1800, field
     raise RuntimeError(f"{name}: trial failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
 
 
-def run_model(name, inter_op=0, warmup=2, steps=5, runs=3, budget=0):
+def run_model(name, inter_op=0, warmup=2, steps=5, runs=3, budget=0, reserve=False):
     """The median over `runs` processes of the peak each reaches."""
-    trials = [run_trial(name, inter_op, warmup, steps, budget) for _ in range(runs)]
+    trials = [run_trial(name, inter_op, warmup, steps, budget, reserve=reserve)
+              for _ in range(runs)]
     measured = int(statistics.median_low(t["measured"] for t in trials))
     predicted = trials[-1]["predicted"]
     return {
@@ -132,10 +135,13 @@ def run_model(name, inter_op=0, warmup=2, steps=5, runs=3, budget=0):
 
 def measure(name, inter_op, args):
     """{"unplanned": ..., "planned": ...} for one model at one thread setting."""
-    out = {"unplanned": run_model(name, inter_op, args.warmup, args.steps, args.runs)}
+    reserve = args.reserve_memory
+    out = {"unplanned": run_model(name, inter_op, args.warmup, args.steps, args.runs,
+                                  reserve=reserve)}
     if args.planned:
         budget = int(args.budget_ratio * out["unplanned"]["measured"])
-        out["planned"] = run_model(name, inter_op, args.warmup, args.steps, args.runs, budget)
+        out["planned"] = run_model(name, inter_op, args.warmup, args.steps, args.runs, budget,
+                                   reserve=reserve)
     return out
 
 
@@ -162,6 +168,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="steps before the measured ones")
     parser.add_argument("--steps", type=int, default=5, help="steps measured (peak over all)")
     parser.add_argument("--runs", type=int, default=5, help="processes per model (median)")
+    parser.add_argument("--reserve-memory", action="store_true",
+                        help="tfmemopt.enable(reserve_memory=True): the pool is one region")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results, apart = {}, {}
@@ -192,6 +200,7 @@ def main():
         "max_abs_error_unplanned": worst("unplanned"),
         "max_abs_error_planned": worst("planned"),
         "inter_op": args.inter_op,
+        "reserve_memory": args.reserve_memory,
         "budget_ratio": args.budget_ratio if args.planned else None,
         "warmup": args.warmup,
         "steps": args.steps,

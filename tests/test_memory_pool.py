@@ -3,8 +3,8 @@
 With allow_growth, which the test bed always has, BFC's pool is regions of 2 MiB,
 4 MiB, ... that a tensor cannot straddle: seed000's CNN runs out of memory at batch
 1821 under a 1024 MiB cap with its peak far below the cap (test_memory_model.py).
-tfmemopt.enable() reserves the rest of the limit as one region, the layout of a GPU
-without memory growth, and plans for it (allocator_region_bytes).
+tfmemopt.enable(reserve_memory=True) reserves the rest of the limit as one region, the
+layout of a GPU without memory growth, and plans for it (allocator_region_bytes).
 """
 
 import json
@@ -35,7 +35,7 @@ def test_a_reserved_pool_holds_three_tensors_that_the_growing_pool_cannot():
 _ENABLE_CODE = r"""
 import json, sys
 import tfmemopt
-config = tfmemopt.enable(enable_split=False)
+config = tfmemopt.enable(enable_split=False, reserve_memory=True)
 import tensorflow as tf
 # Setup calls that must precede TF's start still work: the reservation does not start it.
 tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -87,12 +87,12 @@ def test_enable_reserves_the_pool_and_seed_cnn_trains_past_the_region_limit_with
 
 
 def test_the_growing_pool_still_refuses_it_without_the_reservation():
-    # The counterpart: reserve_memory=False plans for a growing pool, whose model
+    # The counterpart, by default: enable() leaves the pool to grow, and the model
     # refuses the max-pool gradient's tensor at batch 2000 (splitting off).
     code = r"""
 import json, sys
 import tfmemopt
-config = tfmemopt.enable(enable_split=False, reserve_memory=False)
+config = tfmemopt.enable(enable_split=False)
 sys.path.insert(0, sys.argv[1])
 import models
 step, (x, y) = models.seed_cnn(2000)

@@ -49,7 +49,7 @@ _fit_retries = 0  # enable()'s fit_retries
 _function_retries = 0  # enable()'s function_retries
 
 
-def enable(budget=None, *, fit_retries=3, function_retries=3, reserve_memory=True, **fields):
+def enable(budget=None, *, fit_retries=3, function_retries=3, reserve_memory=False, **fields):
     """Runs TfMemOpt on every tf.function, Keras fit and distribute graph traced
     afterwards, in any thread.
 
@@ -73,11 +73,12 @@ def enable(budget=None, *, fit_retries=3, function_retries=3, reserve_memory=Tru
 
     reserve_memory: on the CPU test bed (TF_CPU_ALLOCATOR_USE_BFC=true), whose BFC
     allocator grows in regions of 2 MiB, 4 MiB, ... that a tensor cannot straddle,
-    reserve the rest of its limit as one region now, as a GPU without memory growth
-    has it, and plan for that region (allocator_region_bytes;
-    docs/allocator.md#reserving-the-pool). Touches no page and does not initialize
-    TF. False: the allocator grows as TF makes it. Without a BFC allocator it does
-    nothing.
+    True reserves the rest of its limit as one region now, as a GPU without memory
+    growth has it, and plans for that region (allocator_region_bytes;
+    docs/allocator.md#reserving-the-pool): a tensor may then be as large as the free
+    bytes. Touches no page and does not initialize TF. Off by default: the memory
+    model is calibrated on growing pools and predicts a reserved one less closely.
+    Without a BFC allocator it does nothing.
     """
     global _enabled, _fit_retries, _function_retries
     for name, value in (("fit_retries", fit_retries), ("function_retries", function_retries)):

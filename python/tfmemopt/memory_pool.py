@@ -3,9 +3,9 @@
 TF's BFC allocator grows in regions of 2 MiB, 4 MiB, 8 MiB, ... when it may grow, and a
 tensor must fit in one free chunk of one region, so a step whose live bytes fit can
 still be refused one large tensor. The CPU test bed (TF_CPU_ALLOCATOR_USE_BFC=true)
-always grows. tfmemopt.enable() reserves the rest of its limit as one region before
-the first step, which is the layout a GPU has without memory growth (TF's default),
-and tells the pass (the config field allocator_region_bytes), whose allocator model
+always grows. tfmemopt.enable(reserve_memory=True) reserves the rest of its limit as
+one region before the first step, which is the layout a GPU has without memory growth
+(TF's default), and tells the pass (the config field allocator_region_bytes), whose allocator model
 then places the step in that region.
 """
 
