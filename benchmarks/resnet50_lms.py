@@ -20,7 +20,11 @@ planned step that runs out of memory in its first calls is re-planned under a lo
 budget and retried (function_retries, 3 by default; tfmemopt/function_guard.py); a
 batch counts as training when its steps ran, retried or not.
 
-Usage: python benchmarks/resnet50_lms.py [--cap-mb 1024] [--lo 16] [--hi 1024] [--json] [--quick]
+--reserve-memory adds reserve_memory=True to every tfmemopt configuration: the pool is
+reserved as one region first (docs/allocator.md#reserving-the-pool).
+
+Usage: python benchmarks/resnet50_lms.py [--cap-mb 1024] [--lo 16] [--hi 1024]
+           [--reserve-memory] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:
 {"max_batch_baseline", "max_batch_tfmemopt", "max_batch_auto", "max_batch_auto_exact",
 "overhead_at_baseline_max" (tfmemopt's), "overhead_auto", "overhead_auto_exact", ...}.
@@ -50,15 +54,21 @@ def main():
     args, settings = models.benchmark_settings(
         __doc__.splitlines()[0], DEFAULTS, QUICK,
         {"size": "image height and width", "lo": "first batch tried",
-         "hi": "largest batch tried"})
+         "hi": "largest batch tried"},
+        extra=lambda parser: parser.add_argument(
+            "--reserve-memory", action="store_true",
+            help="reserve_memory=True in every tfmemopt configuration"))
     cap_mb = settings["cap_mb"]
+    configs = {name: (None if fields is None else
+                      {**fields, **({"reserve_memory": True} if args.reserve_memory else {})})
+               for name, fields in CONFIGS.items()}
 
     print(f"resnet50_lms: Keras ResNet50 on {settings['size']}x{settings['size']} images, cap "
           f"{cap_mb} MiB, batches {settings['lo']}..{settings['hi']} (doubling, then "
           f"bisection), {settings['steps']} steps per trial", flush=True)
     comparison = compare(
         models.resnet50, settings["lo"], settings["hi"],
-        {name: {"fields": fields} for name, fields in CONFIGS.items()}, "baseline",
+        {name: {"fields": fields} for name, fields in configs.items()}, "baseline",
         cap_mb=cap_mb, steps=settings["steps"], strategy="grow",
         step_kwargs={"size": settings["size"]}, rounds=settings["rounds"])
     results = comparison.searches
@@ -87,7 +97,8 @@ def main():
             "overhead_auto_exact": comparison.overhead.get("auto_exact"),
             "overhead_at_baseline_max": overhead,
             "settings": settings,
-            "configs": CONFIGS,
+            "configs": configs,
+            "reserve_memory": args.reserve_memory,
             **comparison.brief(),
         }))
     return 1 if comparison.error else 0

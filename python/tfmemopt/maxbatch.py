@@ -37,7 +37,7 @@ from tfmemopt.config import MEMORY_OPTIMIZATION_LEVELS
 
 STRATEGIES = ("bisect", "grow")
 # tfmemopt.enable()'s own keywords, which a trial's fields may hold beside the config's.
-ENABLE_KEYWORDS = ("fit_retries", "function_retries")
+ENABLE_KEYWORDS = ("fit_retries", "function_retries", "reserve_memory")
 DEFAULT_TIMEOUT = 900.0
 
 _RESULT_MARK = "TFMEMOPT_TRIAL "
@@ -249,10 +249,13 @@ def _check_config(use_tfmemopt, fields, memory_optimization):
     if use_tfmemopt:
         from tfmemopt import make_config  # validates names and values, naming them
 
-        for name in ENABLE_KEYWORDS:
+        for name in ("fit_retries", "function_retries"):
             value = fields.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"tfmemopt: {name}={value!r}; allowed: an int >= 0")
+        if not isinstance(fields.get("reserve_memory", False), bool):
+            raise ValueError(f"tfmemopt: reserve_memory={fields['reserve_memory']!r}; "
+                             f"allowed: True or False")
         make_config(**{k: v for k, v in fields.items() if k not in ENABLE_KEYWORDS})
         try:
             json.dumps(fields)
