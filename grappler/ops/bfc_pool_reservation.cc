@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <optional>
+#include <vector>
 
 #include "tensorflow/core/common_runtime/process_state.h"
 #include "tensorflow/core/framework/allocator.h"
@@ -47,9 +48,27 @@ PoolReservation ReserveCpuPool(int64_t min_region_bytes) {
                  " bytes)";
     return out;
   }
-  void* block = allocator->AllocateRaw(tensorflow::Allocator::kAllocatorAlignment, available);
+  // In an empty pool, first the regions growth would make up to an eighth of the
+  // limit (2 MiB, 4 MiB, ...: each request the size BFC grows by next, held so that
+  // the next one needs a region of its own). The small allocations TF makes before
+  // a step (variables' initial values, Keras' bookkeeping) then land there, by best
+  // fit, apart from the step's large tensors, as they do in a growing pool; the
+  // memory model replays that layout (BfcAllocatorModel).
+  std::vector<void*> blocks;
+  int64_t small = 0;
+  if (out.pool_bytes == 0) {
+    for (int64_t bytes = 2 << 20; small + bytes <= out.limit_bytes / 8; bytes *= 2) {
+      void* block = allocator->AllocateRaw(tensorflow::Allocator::kAllocatorAlignment, bytes);
+      if (block == nullptr) break;
+      blocks.push_back(block);
+      small += bytes;
+    }
+  }
+  void* block = allocator->AllocateRaw(tensorflow::Allocator::kAllocatorAlignment,
+                                       available - small);
+  for (void* b : blocks) allocator->DeallocateRaw(b);
   if (block == nullptr) {
-    out.reason = "BFC could not make a region of " + std::to_string(available) + " bytes";
+    out.reason = "BFC could not make a region of " + std::to_string(available - small) + " bytes";
     return out;
   }
   allocator->DeallocateRaw(block);
@@ -57,7 +76,7 @@ PoolReservation ReserveCpuPool(int64_t min_region_bytes) {
   const std::optional<tensorflow::AllocatorStats> after = allocator->GetStats();
   const int64_t before = out.pool_bytes;
   out.pool_bytes = after && after->pool_bytes ? *after->pool_bytes : before + available;
-  out.region_bytes = out.pool_bytes - before;
+  out.region_bytes = out.pool_bytes - before - small;
   return out;
 }
 

@@ -10,8 +10,10 @@
 //
 // ReserveCpuPool() gives the CPU allocator that layout: one allocation of all that
 // its limit still allows, freed at once. BFC makes a region of exactly that size
-// for it and keeps the region, so every later tensor is placed in one large region,
-// as on a GPU without growth. The pages are not touched, so the reservation costs no
+// for it and keeps the region, so every large tensor is placed in one region, as on
+// a GPU without growth. In an empty pool the regions growth starts with (2 MiB,
+// 4 MiB, ... up to an eighth of the limit) are made first, so that small
+// allocations stay apart from the large ones as they do in a growing pool. The pages are not touched, so the reservation costs no
 // resident memory until tensors use it.
 #ifndef TFMEMOPT_GRAPPLER_OPS_BFC_POOL_RESERVATION_H_
 #define TFMEMOPT_GRAPPLER_OPS_BFC_POOL_RESERVATION_H_
@@ -22,7 +24,8 @@
 namespace tfmemopt {
 
 struct PoolReservation {
-  // The region made, in bytes (0: none).
+  // The large region made, in bytes (0: none); the small ones hold the rest of the
+  // pool (pool_bytes - region_bytes).
   int64_t region_bytes = 0;
   // The allocator's limit and the bytes its regions hold, after the reservation.
   int64_t limit_bytes = 0;

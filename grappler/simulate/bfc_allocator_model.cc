@@ -21,7 +21,16 @@ BfcAllocatorModel::BfcAllocatorModel(int64_t memory_limit, int64_t first_region_
   // BFC rounds a region down to 256 bytes when it takes the rest of its limit.
   const int64_t first =
       std::min(first_region_bytes, memory_limit) / kMinAllocationSize * kMinAllocationSize;
-  if (first > 0) AddRegion(first);
+  if (first <= 0) return;
+  // The rest of the limit is in the regions growth starts with (2 MiB, 4 MiB, ...),
+  // made before the large one (ReserveCpuPool), or still to grow.
+  int64_t rest = memory_limit - first;
+  while (next_region_bytes_ <= rest) {
+    AddRegion(next_region_bytes_);
+    rest -= next_region_bytes_;
+    next_region_bytes_ *= 2;
+  }
+  AddRegion(first);
 }
 
 void BfcAllocatorModel::AddRegion(int64_t bytes) {

@@ -28,7 +28,8 @@ namespace tfmemopt {
 class BfcAllocatorModel {
  public:
   // `first_region_bytes` > 0: the pool starts with one free region of that many
-  // bytes (at most the limit); what is left of the limit grows as usual.
+  // bytes (at most the limit), after the regions growth starts with (2 MiB, 4 MiB,
+  // ...) that fit in the rest of the limit (the layout ReserveCpuPool makes).
   explicit BfcAllocatorModel(int64_t memory_limit, int64_t first_region_bytes = 0);
 
   // Returns an id for the allocation, or -1 if BFC would run out of memory.
