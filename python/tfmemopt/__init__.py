@@ -73,10 +73,10 @@ def enable(budget=None, *, fit_retries=3, function_retries=3, reserve_memory=Fal
 
     reserve_memory: on the CPU test bed (TF_CPU_ALLOCATOR_USE_BFC=true), whose BFC
     allocator grows in regions of 2 MiB, 4 MiB, ... that a tensor cannot straddle,
-    True reserves the rest of its limit as one region now, as a GPU without memory
-    growth has it, and plans for that region (allocator_region_bytes;
-    docs/allocator.md#reserving-the-pool): a tensor may then be as large as the free
-    bytes. Touches no page and does not initialize TF. Off by default: the memory
+    True reserves its pool now: the small regions growth starts with, then the rest
+    of its limit as one region, as a GPU without memory growth has it, and plans for
+    that layout (allocator_region_bytes; docs/allocator.md#reserving-the-pool): a
+    tensor may then be as large as the large region's free bytes. Touches no page and does not initialize TF. Off by default: the memory
     model is calibrated on growing pools and predicts a reserved one less closely.
     Without a BFC allocator it does nothing.
     """

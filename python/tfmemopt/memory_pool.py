@@ -3,9 +3,9 @@
 TF's BFC allocator grows in regions of 2 MiB, 4 MiB, 8 MiB, ... when it may grow, and a
 tensor must fit in one free chunk of one region, so a step whose live bytes fit can
 still be refused one large tensor. The CPU test bed (TF_CPU_ALLOCATOR_USE_BFC=true)
-always grows. tfmemopt.enable(reserve_memory=True) reserves the rest of its limit as
-one region before the first step, which is the layout a GPU has without memory growth
-(TF's default), and tells the pass (the config field allocator_region_bytes), whose allocator model
+always grows. tfmemopt.enable(reserve_memory=True) reserves its pool before the first
+step: the small regions growth starts with, then the rest of the limit as one region,
+close to the layout a GPU has without memory growth (TF's default), and tells the pass (the config field allocator_region_bytes), whose allocator model
 then places the step in that region.
 """
 
@@ -24,9 +24,11 @@ _reservation = None  # the first reservation made in this process (dict)
 
 
 def reserve_cpu_pool():
-    """Reserves what the CPU BFC allocator's limit still allows as one region, once
-    per process. Returns a dict: region_bytes (0 when nothing was reserved, then
-    `reason` says why), limit_bytes, pool_bytes. Touches no page of the region and
+    """Reserves the CPU BFC allocator's pool, once per process: in an empty pool the
+    2, 4, ... MiB regions growth starts with (up to an eighth of the limit), then what
+    the limit still allows as one region. Returns a dict: region_bytes (the large
+    region; 0 when nothing was reserved, then `reason` says why), limit_bytes,
+    pool_bytes. Touches no page of the region and
     does not initialize TF's eager context (safe before any other TF call); the
     allocator's peak (tf.config.experimental.get_memory_info) does not count it.
     """
