@@ -446,6 +446,8 @@ RENDERERS = {
     ("keras_test_suite", None): keras_test_suite,
     ("resnet50_lms", None): max_batch("max_batch_baseline", "max_batch_tfmemopt",
                                       "max_batch_auto", "batch"),
+    ("resnet50_lms_reserved", None): max_batch("max_batch_baseline", "max_batch_tfmemopt",
+                                               "max_batch_auto", "batch"),
     ("deep_resnet", None): max_batch("max_depth_baseline", "max_depth_tfmemopt",
                                      "max_depth_auto", "depth"),
     ("seed000", None): seed000,
