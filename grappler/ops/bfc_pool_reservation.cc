@@ -43,9 +43,9 @@ PoolReservation ReserveCpuPool(int64_t min_region_bytes) {
     return out;
   }
   if (available < min_region_bytes) {
-    out.reason = "the allocator's regions already hold its limit (" +
-                 std::to_string(out.pool_bytes) + " of " + std::to_string(out.limit_bytes) +
-                 " bytes)";
+    out.reason = "only " + std::to_string(available) + " bytes of the allocator's " +
+                 std::to_string(out.limit_bytes) + "-byte limit are not in regions yet (" +
+                 std::to_string(min_region_bytes) + " are worth a reservation)";
     return out;
   }
   // In an empty pool, first the regions growth would make up to an eighth of the

@@ -76,9 +76,9 @@ def enable(budget=None, *, fit_retries=3, function_retries=3, reserve_memory=Fal
     True reserves its pool now: the small regions growth starts with, then the rest
     of its limit as one region, as a GPU without memory growth has it, and plans for
     that layout (allocator_region_bytes; docs/allocator.md#reserving-the-pool): a
-    tensor may then be as large as the large region's free bytes. Touches no page and does not initialize TF. Off by default: the memory
-    model is calibrated on growing pools and predicts a reserved one less closely.
-    Without a BFC allocator it does nothing.
+    tensor may then be as large as the large region's free bytes. Touches no page
+    and does not initialize TF. Off by default: the memory model is calibrated on
+    growing pools. Without a capped BFC allocator it does nothing.
     """
     global _enabled, _fit_retries, _function_retries
     for name, value in (("fit_retries", fit_retries), ("function_retries", function_retries)):
