@@ -64,7 +64,8 @@ budget, reserve = int(sys.argv[6]), sys.argv[8] == "1"
 if budget:
     tfmemopt.enable(budget=budget, log_level=0, reserve_memory=reserve, **json.loads(sys.argv[7]))
 else:
-    tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0, reserve_memory=reserve)
+    tfmemopt.enable(mode="ANALYZE_ONLY", log_level=0, reserve_memory=reserve,
+                    **json.loads(sys.argv[7]))
 step, args = MODELS[sys.argv[2]]()
 # What the model, its data and its variables hold before the first step (it tells
 # whether TF copied the caller's NumPy-made inputs into its allocator: docs/allocator.md).
@@ -97,8 +98,9 @@ print("TRIAL " + json.dumps({
 def run_trial(name, inter_op=0, warmup=2, steps=5, budget=0, timeout=1800, fields=None,
               reserve=False):
     """Trains `name` in a fresh interpreter; returns its predicted and measured peaks.
-    budget > 0: the pass plans under that many bytes, with tfmemopt.enable()'s other
-    `fields` ({} by default); 0: ANALYZE_ONLY. reserve: enable(reserve_memory=True)."""
+    budget > 0: the pass plans under that many bytes; 0: ANALYZE_ONLY; either with
+    tfmemopt.enable()'s other `fields` ({} by default). reserve:
+    enable(reserve_memory=True)."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
     env.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16384")
     proc = subprocess.run(
@@ -111,9 +113,10 @@ def run_trial(name, inter_op=0, warmup=2, steps=5, budget=0, timeout=1800, field
     raise RuntimeError(f"{name}: trial failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
 
 
-def run_model(name, inter_op=0, warmup=2, steps=5, runs=3, budget=0, reserve=False):
+def run_model(name, inter_op=0, warmup=2, steps=5, runs=3, budget=0, reserve=False,
+              fields=None):
     """The median over `runs` processes of the peak each reaches."""
-    trials = [run_trial(name, inter_op, warmup, steps, budget, reserve=reserve)
+    trials = [run_trial(name, inter_op, warmup, steps, budget, fields=fields, reserve=reserve)
               for _ in range(runs)]
     measured = int(statistics.median_low(t["measured"] for t in trials))
     predicted = trials[-1]["predicted"]
@@ -137,11 +140,11 @@ def measure(name, inter_op, args):
     """{"unplanned": ..., "planned": ...} for one model at one thread setting."""
     reserve = args.reserve_memory
     out = {"unplanned": run_model(name, inter_op, args.warmup, args.steps, args.runs,
-                                  reserve=reserve)}
+                                  reserve=reserve, fields=args.fields)}
     if args.planned:
         budget = int(args.budget_ratio * out["unplanned"]["measured"])
         out["planned"] = run_model(name, inter_op, args.warmup, args.steps, args.runs, budget,
-                                   reserve=reserve)
+                                   reserve=reserve, fields=args.fields)
     return out
 
 
@@ -170,6 +173,9 @@ def main():
     parser.add_argument("--runs", type=int, default=5, help="processes per model (median)")
     parser.add_argument("--reserve-memory", action="store_true",
                         help="tfmemopt.enable(reserve_memory=True): the pool is one region")
+    parser.add_argument("--fields", type=json.loads, default={},
+                        help="more tfmemopt.enable() fields, as JSON (e.g. "
+                             "'{\"observe_allocator\": true}')")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results, apart = {}, {}

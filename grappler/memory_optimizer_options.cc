@@ -235,6 +235,8 @@ const std::vector<OptionField>& Fields() {
       BoolField("count_memory_held_outside", &O::count_memory_held_outside),
       IntField<int64_t>("allocator_region_bytes", "int64", &O::allocator_region_bytes, 0,
                         INT64_MAX),
+      BoolField("observe_allocator", &O::observe_allocator),
+      IntField<int>("model_inter_op_threads", "int32", &O::model_inter_op_threads, 0, 1024),
       ChoiceField(
           "test_only_fail_stage", "string", FailStages(),
           [](O* o, int i) { o->test_only_fail_stage = FailStages()[i]; },

@@ -75,6 +75,13 @@ struct MemoryOptimizerOptions {
   // step (a GPU without memory growth: its whole memory; the CPU test bed after
   // tfmemopt.enable() reserved it); 0: the pool grows from 2 MiB regions.
   int64_t allocator_region_bytes = 0;
+  // Start the allocator model from the live pool where the pass can read it
+  // (grappler/analyze/allocator_state.h) instead of replaying histories.
+  bool observe_allocator = false;
+  // Inter-op threads the simulator assumes for kernels that start together
+  // (simulate/liveness_simulator.h, StartedBeside); 0: the machine's (TF's default
+  // pool); 1: one kernel at a time.
+  int model_inter_op_threads = 1;
   // Test-only: name of the stage that must fail ("" = none).
   std::string test_only_fail_stage;
   // Test-only: bytes a changed graph holds through its step, unpredicted

@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "grappler/analyze/allocator_state.h"
 #include "grappler/analyze/function_bodies.h"
 #include "grappler/memory_optimizer_options.h"
 #include "grappler/ops/bfc_pool_reservation.h"
@@ -67,6 +68,17 @@ PYBIND11_MODULE(_ext, m) {
       py::arg("min_region_bytes"),
       "Reserves the rest of the CPU BFC allocator's limit as one region (the test "
       "bed); returns region_bytes (0: none, then reason), limit_bytes, pool_bytes.");
+  m.def(
+      "cpu_pool_chunks",
+      [] {
+        py::list out;
+        for (const tfmemopt::PoolChunk& c : tfmemopt::ReadCpuPool()) {
+          out.append(py::make_tuple(c.address, c.bytes, c.in_use));
+        }
+        return out;
+      },
+      "The CPU BFC allocator's chunks as the pass reads them (observe_allocator), in "
+      "address order: (address, bytes, in_use); [] when the CPU allocator is not BFC.");
   m.def(
       "host_pool_stats",
       [] {

@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grappler/analyze/allocator_state.h"
 #include "grappler/analyze/arrival_order_sums.h"
 #include "grappler/analyze/control_flow.h"
 #include "grappler/analyze/executed_nodes.h"
@@ -75,17 +76,22 @@ int64_t HostRamBytes() {
 // What the allocator of `device` holds now, from the devices TF runs the graph on
 // (a tf.function's or a Session's cluster has them; the Python grappler API's does
 // not): -1 when unknown.
-int64_t AllocatorBytesInUse(const Cluster* cluster, const std::string& device) {
-  if (cluster == nullptr || cluster->GetDeviceSet() == nullptr) return -1;
+// The allocator of the cluster's device `device` (a short name), or nullptr.
+tensorflow::Allocator* DeviceAllocator(const Cluster* cluster, const std::string& device) {
+  if (cluster == nullptr || cluster->GetDeviceSet() == nullptr) return nullptr;
   for (tensorflow::Device* candidate : cluster->GetDeviceSet()->devices()) {
-    if (ShortDeviceName(candidate->name()) != device) continue;
-    tensorflow::Allocator* allocator =
-        candidate->GetAllocator(tensorflow::AllocatorAttributes());
-    if (allocator == nullptr) return -1;
-    const std::optional<tensorflow::AllocatorStats> stats = allocator->GetStats();
-    return stats ? stats->bytes_in_use : -1;
+    if (ShortDeviceName(candidate->name()) == device) {
+      return candidate->GetAllocator(tensorflow::AllocatorAttributes());
+    }
   }
-  return -1;
+  return nullptr;
+}
+
+int64_t AllocatorBytesInUse(const Cluster* cluster, const std::string& device) {
+  tensorflow::Allocator* allocator = DeviceAllocator(cluster, device);
+  if (allocator == nullptr) return -1;
+  const std::optional<tensorflow::AllocatorStats> stats = allocator->GetStats();
+  return stats ? stats->bytes_in_use : -1;
 }
 
 // The part of what `device`'s allocator holds (`in_use`, -1: unknown) that `table`
@@ -237,12 +243,16 @@ void FillDeviceFigures(const TensorTable& table, const DeviceTimeline& timeline,
 
 // Allocator settings for simulating `table` (a rewritten graph may use one more
 // device than the report lists: the host a GPU swaps to).
-SimulationOptions SimulationFor(const std::vector<DeviceReport>& devices,
+SimulationOptions SimulationFor(const MemoryOptimizerOptions& options,
+                                const std::vector<DeviceReport>& devices,
                                 const TensorTable& table) {
   SimulationOptions simulation;
+  simulation.inter_op_threads = options.model_inter_op_threads;
+  bool observed = false;
   for (const std::string& name : table.devices) {
     int64_t limit = 0;
     int64_t region = 0;
+    const std::vector<PoolChunk>* pool = nullptr;
     for (const DeviceReport& device : devices) {
       // Memory held outside the graph is not the step's to use (0 unless counted);
       // what holds it sits in the region the pool already has, if any.
@@ -250,10 +260,23 @@ SimulationOptions SimulationFor(const std::vector<DeviceReport>& devices,
         limit = std::max<int64_t>(1, device.memory_bytes - device.held_outside_bytes);
         region = std::clamp<int64_t>(device.allocator_region_bytes - device.held_outside_bytes,
                                      0, limit);
+        // A pool read off the allocator holds what lives outside the graph in its
+        // own chunks: the model gets the whole limit and keeps those chunks.
+        if (!device.observed_pool.empty()) {
+          limit = device.memory_bytes;
+          pool = &device.observed_pool;
+        }
       }
     }
     simulation.bfc_memory_limit.push_back(limit);
     simulation.bfc_first_region.push_back(region);
+    simulation.bfc_pool.push_back(pool != nullptr ? *pool : std::vector<PoolChunk>());
+    observed = observed || pool != nullptr;
+  }
+  // The pool as it is stands for every history the model would otherwise replay.
+  if (observed) {
+    simulation.allocator_histories = {ResidentHistory::kObserved};
+    return simulation;
   }
   // A Session's initializer made the variables, in graph order, before the step:
   // that is the one history, and a plan built to fit the others would hold back
@@ -337,7 +360,7 @@ MemoryPlannerOptions PlannerOptions(const MemoryOptimizerOptions& options,
   planner.exclude_op_types = options.exclude_op_types;
   planner.include_op_types = options.include_op_types;
   planner.hint_scopes = options.recompute_scopes;
-  planner.simulation = SimulationFor(devices, table);
+  planner.simulation = SimulationFor(options, devices, table);
   return planner;
 }
 
@@ -533,12 +556,21 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       device.allocator_region_bytes =
           std::min(options.allocator_region_bytes / std::max(1, device.memory_shared_by),
                    device.memory_bytes);
+      // The pool the step will use, as it is now: only where this device alone uses
+      // it (logical CPUs share one pool) and its limit is the device's memory.
+      if (options.observe_allocator && device.memory_shared_by == 1 &&
+          device.memory_source == "TF_CPU_BFC_MEM_LIMIT_IN_MB") {
+        device.observed_pool = ReadBfcPool(DeviceAllocator(cluster, device.device));
+        for (const PoolChunk& chunk : device.observed_pool) {
+          device.observed_pool_bytes += chunk.bytes;
+        }
+      }
     }
     absl::Status s = TopologicalOrder(item.graph, table, &order);
     if (!s.ok()) return s;
     s = AnalyzeControlFlow(item.graph, table, order, &flow);
     if (!s.ok()) return s;
-    return Simulate(table, order, SimulationFor(devices, table), &before);
+    return Simulate(table, order, SimulationFor(options, devices, table), &before);
   });
   if (!status.ok()) return status;
   for (size_t d = 0; d < devices.size(); ++d) {
@@ -574,7 +606,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     }
     report->schedule.planned = true;
     ScheduleOptions scheduling;
-    scheduling.simulation = SimulationFor(devices, table);
+    scheduling.simulation = SimulationFor(options, devices, table);
     scheduling.min_gain_bytes = AdaptiveMinTensorBytesSteps(options).front();
     absl::Status s = PlanSchedule(table, flow, before, scheduling, &schedule);
     if (!s.ok()) return s;
@@ -604,7 +636,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (!s.ok()) return s;
     // The scheduled graph, analyzed afresh, is what the budget is checked against.
     SimulationResult now;
-    s = Simulate(table, order, SimulationFor(devices, table), &now);
+    s = Simulate(table, order, SimulationFor(options, devices, table), &now);
     if (!s.ok()) return s;
     over_budget = false;
     for (size_t d = 0; d < devices.size(); ++d) {
@@ -734,7 +766,7 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (!s.ok()) return s;
     s = TopologicalOrder(rewritten.graph, after_table, &after_order);
     if (!s.ok()) return s;
-    s = Simulate(after_table, after_order, SimulationFor(devices, after_table), &after);
+    s = Simulate(after_table, after_order, SimulationFor(options, devices, after_table), &after);
     after_built = s.ok();
     return s;
   };
@@ -803,12 +835,12 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
       // The original graph, as analyzed and simulated already; a copy of its table,
       // which pinning edits.
       TensorTable guarded = table;
-      guard.simulation = SimulationFor(devices, guarded);
+      guard.simulation = SimulationFor(options, devices, guarded);
       s = GuardOrder(&guarded, flow, order, before, guard, &result);
     } else {
       s = analyze_output();
       if (!s.ok()) return s;
-      guard.simulation = SimulationFor(devices, after_table);
+      guard.simulation = SimulationFor(options, devices, after_table);
       ControlFlowInfo after_flow;
       s = AnalyzeControlFlow(rewritten.graph, after_table, after_order, &after_flow);
       if (!s.ok()) return s;

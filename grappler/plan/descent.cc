@@ -185,7 +185,9 @@ absl::Status Planner::EvaluateAs(Choice choice, Evaluated* out) {
   // replay per history; the worst one so far stands for them until a plan fits it.
   // Then the plan is judged on all of them, so that a plan the search takes as
   // fitting fits every history, as the report will say.
-  const SimulationOptions& all = allocator_ ? ctx_.options.simulation : SimulationOptions();
+  SimulationOptions live_bytes_only;
+  live_bytes_only.inter_op_threads = ctx_.options.simulation.inter_op_threads;
+  const SimulationOptions& all = allocator_ ? ctx_.options.simulation : live_bytes_only;
   const bool one_first = ReplaysOneHistory() && !every_history_;
   SimulationOptions one = all;
   if (one_first) one.allocator_histories = {worst_history_};

@@ -188,6 +188,7 @@ std::string MemoryReport::ToJson() const {
     out << "}"
         << ",\"held_outside_bytes\":" << d.held_outside_bytes
         << ",\"allocator_region_bytes\":" << d.allocator_region_bytes
+        << ",\"observed_pool_bytes\":" << d.observed_pool_bytes
         << ",\"top_tensors_at_peak\":[";
     for (size_t j = 0; j < d.top_tensors_at_peak.size(); ++j) {
       const PeakTensor& t = d.top_tensors_at_peak[j];

@@ -61,6 +61,10 @@ struct DeviceReport {
   // worst, which the allocator figures above describe.
   std::vector<std::pair<std::string, int64_t>> allocator_history_peaks;
   std::string allocator_history;
+  // The pool the pass read off the device's live allocator (analyze/allocator_state.h;
+  // empty: not read) and the bytes its chunks held then.
+  std::vector<PoolChunk> observed_pool;
+  int64_t observed_pool_bytes = 0;
   // What the device's allocator held when the graph was planned that is not the
   // graph's persistent buffers or inputs: memory the step cannot use, taken from
   // budget_bytes when count_memory_held_outside applies (else 0).

@@ -120,6 +120,55 @@ void BfcAllocatorModel::InsertFree(int64_t address) {
   free_.insert({size, start});
 }
 
+void BfcAllocatorModel::LoadPool(const std::vector<PoolChunk>& chunks) {
+  if (chunks.empty()) return;
+  chunks_.clear();
+  free_.clear();
+  held_.clear();
+  pool_ = in_use_ = peak_ = 0;
+  // Regions by address, highest (oldest: mmap places them top-down) first, so that
+  // region indices keep the order they were made in.
+  std::vector<std::pair<size_t, size_t>> runs;  // [first, last] chunk indices
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (i == 0 || chunks[i - 1].address + chunks[i - 1].bytes != chunks[i].address) {
+      runs.push_back({i, i});
+    } else {
+      runs.back().second = i;
+    }
+  }
+  // BFC's next region size, replayed from the regions in the order they were made:
+  // a region larger than the size due was made for a request that needed it, and the
+  // size stays; one of the size due doubles it (BFCAllocator::Extend).
+  int64_t next_bytes = 2 << 20;
+  next_region_ = 0;
+  for (auto run = runs.rbegin(); run != runs.rend(); ++run) {
+    const int region = next_region_++;
+    int64_t bytes = 0;
+    for (size_t i = run->first; i <= run->second; ++i) {
+      const PoolChunk& c = chunks[i];
+      chunks_[c.address] = Chunk{c.bytes, region, c.in_use};
+      (c.in_use ? held_ : free_).insert({c.bytes, c.address});
+      bytes += c.bytes;
+    }
+    pool_ += bytes;
+    if (bytes > next_bytes) {
+      while (next_bytes < bytes) next_bytes *= 2;
+    } else if (bytes == next_bytes) {
+      next_bytes *= 2;
+    }  // smaller: the rest of the limit, made last
+  }
+  next_region_bytes_ = next_bytes;
+  next_address_ = std::min(next_address_, chunks.front().address - kMinAllocationSize);
+}
+
+int64_t BfcAllocatorModel::Claim(int64_t address) {
+  auto it = chunks_.find(address);
+  if (it == chunks_.end() || !held_.erase({it->second.size, address})) return -1;
+  in_use_ += it->second.size;
+  peak_ = std::max(peak_, in_use_);
+  return address;
+}
+
 int64_t BfcAllocatorModel::RoundedBytes(int64_t bytes) { return Rounded(bytes); }
 
 std::vector<BfcAllocatorModel::RegionChunks> BfcAllocatorModel::Regions(int64_t min_bytes) const {

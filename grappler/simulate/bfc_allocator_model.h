@@ -11,7 +11,8 @@
 // (allow_growth), never merged with each other. A pool that already holds a large
 // region when the step starts (a GPU without memory growth holds its whole memory as
 // one; tfmemopt.enable() reserves one on the CPU test bed, docs/allocator.md) is
-// modelled by making that region first.
+// modelled by making that region first. A pool the pass could read (the allocator of
+// the process it runs in, grappler/analyze/allocator_state.h) is loaded as it is.
 #ifndef TFMEMOPT_GRAPPLER_SIMULATE_BFC_ALLOCATOR_MODEL_H_
 #define TFMEMOPT_GRAPPLER_SIMULATE_BFC_ALLOCATOR_MODEL_H_
 
@@ -25,12 +26,32 @@
 
 namespace tfmemopt {
 
+// One chunk of a BFC pool as BFC lists it (RecordMemoryMap: address order).
+struct PoolChunk {
+  int64_t address = 0;
+  int64_t bytes = 0;
+  bool in_use = false;
+};
+
 class BfcAllocatorModel {
  public:
   // `first_region_bytes` > 0: the pool starts with one free region of that many
   // bytes (at most the limit), after the regions growth starts with (2 MiB, 4 MiB,
   // ...) that fit in the rest of the limit (the layout ReserveCpuPool makes).
   explicit BfcAllocatorModel(int64_t memory_limit, int64_t first_region_bytes = 0);
+
+  // Starts from a pool read off a live allocator (`chunks` in address order, as
+  // RecordMemoryMap lists them), in place of the regions made so far: a run of
+  // chunks whose addresses follow on is one region (the sub-allocator's mmaps are
+  // not adjacent). Chunks in use are held, uncounted in bytes_in_use(), until
+  // Claim() says a buffer of the step holds one; the growth of later regions
+  // continues from the largest region made by doubling.
+  void LoadPool(const std::vector<PoolChunk>& chunks);
+  // The loaded chunks in use that no Claim() took yet: (bytes, address), smallest first.
+  const absl::btree_set<std::pair<int64_t, int64_t>>& unclaimed() const { return held_; }
+  // A loaded chunk in use (by address) holds one of the step's buffers: it counts in
+  // bytes_in_use() from now on and Free(address) frees it. Returns the id, or -1.
+  int64_t Claim(int64_t address);
 
   // Returns an id for the allocation, or -1 if BFC would run out of memory.
   int64_t Allocate(int64_t bytes);
@@ -76,6 +97,7 @@ class BfcAllocatorModel {
   // iteration's allocations, and the planner simulates many plans.
   absl::btree_map<int64_t, Chunk> chunks_;             // by address
   absl::btree_set<std::pair<int64_t, int64_t>> free_;  // (size, address)
+  absl::btree_set<std::pair<int64_t, int64_t>> held_;  // LoadPool's, unclaimed
 };
 
 }  // namespace tfmemopt

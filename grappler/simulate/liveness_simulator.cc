@@ -15,6 +15,7 @@
 #include "tensorflow/core/grappler/op_types.h"
 #include "tensorflow/core/grappler/utils/topological_sort.h"
 #include "tensorflow/core/platform/logging.h"
+#include "tsl/platform/cpu_info.h"
 
 namespace tfmemopt {
 namespace {
@@ -46,6 +47,47 @@ bool IsExpensiveKernel(const TensorTable& table, int n) {
   for (int t : node.inputs) bytes += table.tensors[t].bytes;
   for (int t : node.outputs) bytes += table.tensors[t].bytes;
   return bytes >= kExpensiveKernelBytes;
+}
+
+std::vector<std::vector<int64_t>> StartedBeside(const TensorTable& table,
+                                                const std::vector<int>& order,
+                                                const std::vector<int>& position,
+                                                int inter_op_threads) {
+  std::vector<std::vector<int64_t>> beside(order.size());
+  if (inter_op_threads < 2) return beside;
+  // The step of the kernel whose end makes `n` ready: its inputs' latest producer.
+  auto readied_by = [&](int n) {
+    int latest = -1;
+    for (int t : table.nodes[n].inputs) latest = std::max(latest, position[table.tensors[t].node]);
+    for (int c : table.nodes[n].control_inputs) latest = std::max(latest, position[c]);
+    return latest;
+  };
+  auto eligible = [&](int n) {
+    return LoopOf(table, n) < 0 && IsExpensiveKernel(table, n);
+  };
+  // Per readying step, the expensive kernels it makes ready, in the order's order.
+  absl::flat_hash_map<int, std::vector<int>> readied;
+  for (size_t s = 0; s < order.size(); ++s) {
+    const int n = order[s];
+    const int when = readied_by(n);
+    if (when >= 0 && eligible(n)) readied[when].push_back(static_cast<int>(s));
+  }
+  for (const auto& [when, steps] : readied) {
+    // The first runs inline; the next starts at once on another thread (the
+    // emulated order runs it after the first one's inline successors).
+    if (steps.size() < 2) continue;
+    const int first = order[steps[0]], second = order[steps[1]];
+    if (table.nodes[first].device != table.nodes[second].device) continue;
+    if (table.nodes[first].temp_bytes <= 0 && table.nodes[second].temp_bytes <= 0) continue;
+    std::vector<int64_t>& chunks = beside[steps[0]];
+    for (int t : table.nodes[second].outputs) {
+      if (table.tensors[t].bytes > 0 && table.buffers[table.tensors[t].buffer].owner == t) {
+        chunks.push_back(table.tensors[t].bytes);
+      }
+    }
+    if (table.nodes[second].temp_bytes > 0) chunks.push_back(table.nodes[second].temp_bytes);
+  }
+  return beside;
 }
 
 namespace {
@@ -351,17 +393,20 @@ class TimelineListener : public Listener {
  public:
   TimelineListener(const TensorTable& table, const std::vector<int>& order,
                    const std::vector<int>& device_of_node, Replay* replay,
-                   SimulationResult* result)
+                   const std::vector<std::vector<int64_t>>& beside, SimulationResult* result)
       : table_(table), order_(order), device_of_node_(device_of_node),
-        replay_(replay), result_(result) {}
+        replay_(replay), beside_(beside), result_(result) {}
 
   void Step(size_t step) override {
     const NodeInfo& node = table_.nodes[order_[step]];
+    // A kernel started beside it holds its outputs and scratch (StartedBeside).
+    int64_t beside = 0;
+    for (int64_t bytes : beside_[step]) beside += bytes;
     for (size_t d = 0; d < result_->devices.size(); ++d) {
       DeviceTimeline& timeline = result_->devices[d];
       // A kernel's scratch memory counts while it runs, as part of its step.
       const int64_t temp =
-          device_of_node_[order_[step]] == static_cast<int>(d) ? node.temp_bytes : 0;
+          device_of_node_[order_[step]] == static_cast<int>(d) ? node.temp_bytes + beside : 0;
       std::vector<int64_t>& role = node.backward ? replay_->gradient : replay_->activation;
       role[d] += temp;
       const int64_t total =
@@ -377,6 +422,7 @@ class TimelineListener : public Listener {
   }
 
  private:
+  const std::vector<std::vector<int64_t>>& beside_;
   const TensorTable& table_;
   const std::vector<int>& order_;
   const std::vector<int>& device_of_node_;
@@ -493,6 +539,7 @@ class AllocatorListener : public Listener {
         resident.push_back(static_cast<int>(b));
       }
     }
+    if (history == ResidentHistory::kObserved) resident = ClaimObserved(resident);
     if (history == ResidentHistory::kReverseGraphOrder) {
       std::reverse(resident.begin(), resident.end());
     } else if (history == ResidentHistory::kLargestFirst) {
@@ -510,6 +557,38 @@ class AllocatorListener : public Listener {
       chunk_[b] = Allocate(b);
       allocator_->Free(initial_value);
     }
+  }
+  // Places the resident buffers that the pool read off the live allocator already
+  // holds (the variables, the caller's inputs) in its chunks in use: largest first,
+  // each in the smallest unclaimed chunk that BFC could have given it (its rounded
+  // size, or up to twice that, unsplit). Constants are not made yet (TF makes them
+  // with their kernels, after Grappler). Returns the buffers still to allocate.
+  std::vector<int> ClaimObserved(std::vector<int> resident) {
+    std::stable_sort(resident.begin(), resident.end(), [&](int a, int b) {
+      return table_.buffers[a].bytes > table_.buffers[b].bytes;
+    });
+    std::vector<int> rest;
+    for (int b : resident) {
+      const BufferInfo& buffer = table_.buffers[b];
+      const bool constant = buffer.owner >= 0 && buffer.persistent &&
+                            table_.nodes[table_.tensors[buffer.owner].node].def->op() == "Const";
+      const int64_t rounded = BfcAllocatorModel::RoundedBytes(buffer.bytes);
+      const auto& held = allocator_->unclaimed();
+      auto it = held.lower_bound({rounded, -1});
+      const bool fits = it != held.end() &&
+                        (it->first < 2 * rounded || it->first - rounded < (int64_t{128} << 20));
+      const int64_t chunk =
+          constant || buffer.pieces > 1 || !fits ? -1 : allocator_->Claim(it->second);
+      if (chunk < 0) {
+        rest.push_back(b);
+        continue;
+      }
+      chunk_[b] = chunk;
+      owner_[chunk] = b;
+    }
+    // The rest in graph order, as the histories make them.
+    std::sort(rest.begin(), rest.end());
+    return rest;
   }
   // Frees what a step left behind (fetched outputs, old variable copies).
   void EndStep() {
@@ -589,11 +668,25 @@ class AllocatorListener : public Listener {
     const int n = order_[step];
     ReplayLoopsEndedBefore(static_cast<int>(step));
     next_step_ = static_cast<int>(step);
+    // What a kernel started beside this one holds while this one runs
+    // (StartedBeside), placed before this one's scratch and gone with it.
+    std::vector<int64_t> beside;
+    if (beside_ != nullptr && device_of_node_[n] == device_) {
+      for (int64_t bytes : (*beside_)[step]) {
+        const int64_t chunk = allocator_->Allocate(bytes);
+        if (chunk < 0) {
+          Refused(bytes, absl::StrCat("what runs beside ", table_.nodes[n].def->name()));
+        }
+        beside.push_back(chunk);
+      }
+      if (!beside.empty()) Measure();
+    }
     if (device_of_node_[n] == device_ && table_.nodes[n].temp_bytes > 0) {
       Scratch(n);
       const int loop = RecordingLoop(static_cast<int>(step));
       if (loop >= 0) scripts_[loop].push_back({kScratch, n, 0});
     }
+    for (int64_t chunk : beside) allocator_->Free(chunk);
     next_step_ = static_cast<int>(step) + 1;
     // The measured step, kernel by kernel, for benchmarks/trace_step_memory.py.
     if (VLOG_IS_ON(2) && log_) {
@@ -605,6 +698,7 @@ class AllocatorListener : public Listener {
     step_bytes_ = 0;
   }
   void set_log(bool log) { log_ = log; }
+  void set_beside(const std::vector<std::vector<int64_t>>* beside) { beside_ = beside; }
   // Whether some loop's iterations are played (FindIteratedLoops).
   bool plays_iterations() const { return iterated_; }
   // Whether the allocator's peak is being looked for (the measured steps).
@@ -991,6 +1085,7 @@ class AllocatorListener : public Listener {
     Measure();
     allocator_->Free(chunk);
   }
+  const std::vector<std::vector<int64_t>>* beside_ = nullptr;  // StartedBeside of the order
 
   const TensorTable& table_;
   const std::vector<int>& order_;
@@ -1269,7 +1364,10 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
   }
 
   Replay replay(table, order, position, device_of_buffer, num_devices);
-  TimelineListener timeline(table, order, device_of_node, &replay, result);
+  const std::vector<std::vector<int64_t>> started_beside = StartedBeside(
+      table, order, position,
+      options.inter_op_threads > 0 ? options.inter_op_threads : tsl::port::MaxParallelism());
+  TimelineListener timeline(table, order, device_of_node, &replay, started_beside, result);
   replay.Run(order.size(), &timeline);
   for (int d = 0; d < num_devices; ++d) {
     DeviceTimeline& device = result->devices[d];
@@ -1312,9 +1410,16 @@ absl::Status Simulate(const TensorTable& table, const std::vector<int>& order,
       BfcAllocatorModel allocator(
           options.bfc_memory_limit[d],
           d < static_cast<int>(options.bfc_first_region.size()) ? options.bfc_first_region[d] : 0);
+      const bool observed = history == ResidentHistory::kObserved &&
+                            d < static_cast<int>(options.bfc_pool.size()) &&
+                            !options.bfc_pool[d].empty();
+      if (observed) allocator.LoadPool(options.bfc_pool[d]);
       AllocatorListener listener(table, order, device_of_node, device_of_buffer, d, &allocator,
                                  beside ? &loops : nullptr);
-      listener.AllocateResident(history);
+      listener.set_beside(&started_beside);
+      listener.AllocateResident(observed || history != ResidentHistory::kObserved
+                                    ? history
+                                    : ResidentHistory::kGraphOrder);
       std::vector<int64_t> step_peaks;
       int64_t peak = 0;
       for (int step = 0; step < warmup + measured; ++step) {
@@ -1377,6 +1482,8 @@ const char* ResidentHistoryName(ResidentHistory history) {
       return "largest first";
     case ResidentHistory::kInitialValueTemporaries:
       return "initial values in temporaries";
+    case ResidentHistory::kObserved:
+      return "observed";
   }
   return "?";
 }

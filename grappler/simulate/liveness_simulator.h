@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "grappler/simulate/bfc_allocator_model.h"
+
 #include "absl/status/status.h"
 #include "grappler/analyze/tensor_table.h"
 
@@ -46,6 +48,8 @@ enum class ResidentHistory {
   kLargestFirst,        // ... largest first
   kInitialValueTemporaries,  // graph order, each variable's initial value computed in
                              // a temporary of its size, freed once assigned
+  kObserved,  // the pool as the pass read it off the live allocator
+              // (SimulationOptions::bfc_pool), the resident buffers in its chunks
 };
 const char* ResidentHistoryName(ResidentHistory history);
 
@@ -111,6 +115,13 @@ struct SimulationOptions {
   // Per device, beside bfc_memory_limit: a region the pool already holds when the
   // step starts (MemoryOptimizerOptions::allocator_region_bytes); 0 or missing: none.
   std::vector<int64_t> bfc_first_region;
+  // Per device, beside bfc_memory_limit: the pool as the pass read it off the device's
+  // live allocator when it ran (grappler/analyze/allocator_state.h), in place of a
+  // history and of bfc_first_region; empty or missing: not read. With kObserved the
+  // model starts from it: each resident buffer in a chunk in use that could hold it,
+  // the other chunks in use held by what lives outside the graph (not counted in the
+  // peak, as held_outside_bytes is not).
+  std::vector<std::vector<PoolChunk>> bfc_pool;
   // The allocator model runs the order `warmup_steps` times (BFC's regions grow
   // during the first steps), then `measured_steps` more times and keeps the
   // highest peak. The peak moves from step to step: a variable that an update
@@ -121,6 +132,9 @@ struct SimulationOptions {
   // The histories replayed before the warm-up steps, each from an empty allocator;
   // the worst one (a refusal, else the highest peak) is the device's allocator
   // prediction. A plan fits only when it fits after every one of them.
+  // TF's inter-op threads (StartedBeside); 0: the machine's, TF's default; 1: one
+  // kernel at a time.
+  int inter_op_threads = 1;
   std::vector<ResidentHistory> allocator_histories = {
       ResidentHistory::kGraphOrder, ResidentHistory::kReverseGraphOrder,
       ResidentHistory::kLargestFirst, ResidentHistory::kInitialValueTemporaries};
@@ -142,6 +156,20 @@ enum class InlineChoice {
   kFirstInGraph,   // the first in the sorted graph's order
   kLastInGraph,    // the last in the sorted graph's order
 };
+
+// What runs beside each step's kernel: with two or more inter-op threads, of the
+// expensive kernels that one kernel's end makes ready, TF's executor runs one inline
+// and starts the next at once on the pool (ExecutorOrder's rules; the emulated order
+// runs it only after the first one's inline successors). While the first runs, the
+// second holds its outputs and its scratch. A convolution's filter and data
+// gradients are such a pair: on TF's own CPU kernels (no oneDNN) each holds tens of
+// MiB of im2col scratch. Per step of `order`, the bytes of the chunks the kernel
+// started beside it holds (empty: none); only where one of the two has scratch
+// (NodeInfo::temp_bytes), both on one device, outside loops.
+std::vector<std::vector<int64_t>> StartedBeside(const TensorTable& table,
+                                                const std::vector<int>& order,
+                                                const std::vector<int>& position,
+                                                int inter_op_threads);
 
 // Whether TF's executor runs node `n`'s kernel as a task of its own (expensive)
 // rather than inline: its kernel class may be expensive and, after the first step's
