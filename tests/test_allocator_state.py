@@ -8,7 +8,7 @@ first run: with observe_allocator it reads the CPU test bed's BFC pool
 that hold them.
 """
 
-from conftest import capped_allocator_env, run_python, subprocess_result
+from conftest import BENCHMARKS, capped_allocator_env, run_python, subprocess_result
 
 MIB = 2**20
 
@@ -103,7 +103,6 @@ def test_kernels_started_together_hold_their_memory_together():
     # data gradient (a 15.75 MiB output) are made ready by one kernel and start
     # together on TF's default threads. One kernel at a time, the model misses that
     # overlap; with the machine's threads it counts it.
-    from conftest import BENCHMARKS
     env = capped_allocator_env(16384, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")
     one = subprocess_result(run_python(_TEXT_CNN, BENCHMARKS, 1, env=env))
     # TF's peak moves between processes (docs/allocator.md): the lower of two.

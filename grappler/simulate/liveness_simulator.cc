@@ -422,11 +422,11 @@ class TimelineListener : public Listener {
   }
 
  private:
-  const std::vector<std::vector<int64_t>>& beside_;
   const TensorTable& table_;
   const std::vector<int>& order_;
   const std::vector<int>& device_of_node_;
   Replay* replay_;
+  const std::vector<std::vector<int64_t>>& beside_;  // StartedBeside of the order
   SimulationResult* result_;
 };
 
@@ -575,8 +575,9 @@ class AllocatorListener : public Listener {
       const int64_t rounded = BfcAllocatorModel::RoundedBytes(buffer.bytes);
       const auto& held = allocator_->unclaimed();
       auto it = held.lower_bound({rounded, -1});
-      const bool fits = it != held.end() &&
-                        (it->first < 2 * rounded || it->first - rounded < (int64_t{128} << 20));
+      // BFC leaves a chunk whole only below twice the request and 128 MiB over it.
+      const bool fits = it != held.end() && it->first < 2 * rounded &&
+                        it->first - rounded < (int64_t{128} << 20);
       const int64_t chunk =
           constant || buffer.pieces > 1 || !fits ? -1 : allocator_->Claim(it->second);
       if (chunk < 0) {
