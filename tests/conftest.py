@@ -6,6 +6,12 @@ import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+# TF 2.21 turns its oneDNN kernels on by default only on CPUs with AVX-512 VNNI, BF16
+# or AMX; elsewhere its own kernels run, with other scratch memory (docs/allocator.md
+# #kernels-that-start-together), and the memory figures the tests assert were taken
+# with oneDNN. The suite pins it on, for itself and the processes it starts, so that
+# the same kernels run on every x86 CPU; a test about the other kernels sets it off.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
