@@ -73,10 +73,9 @@ int64_t HostRamBytes() {
   return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : 0;
 }
 
-// What the allocator of `device` holds now, from the devices TF runs the graph on
-// (a tf.function's or a Session's cluster has them; the Python grappler API's does
-// not): -1 when unknown.
-// The allocator of the cluster's device `device` (a short name), or nullptr.
+// The allocator of the cluster's device `device` (a short name), from the devices TF
+// runs the graph on (a tf.function's or a Session's cluster has them; the Python
+// grappler API's does not), or nullptr.
 tensorflow::Allocator* DeviceAllocator(const Cluster* cluster, const std::string& device) {
   if (cluster == nullptr || cluster->GetDeviceSet() == nullptr) return nullptr;
   for (tensorflow::Device* candidate : cluster->GetDeviceSet()->devices()) {
@@ -87,6 +86,7 @@ tensorflow::Allocator* DeviceAllocator(const Cluster* cluster, const std::string
   return nullptr;
 }
 
+// What the allocator of `device` holds now: -1 when unknown.
 int64_t AllocatorBytesInUse(const Cluster* cluster, const std::string& device) {
   tensorflow::Allocator* allocator = DeviceAllocator(cluster, device);
   if (allocator == nullptr) return -1;
