@@ -47,10 +47,27 @@ def commit():
     return head + ("-dirty" if dirty else "")
 
 
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), or platform.processor()'s answer."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def machine():
     import tensorflow as tf
+    from tensorflow.python.util import _pywrap_util_port
 
-    return {"cpus": os.cpu_count(), "system": platform.system(),
+    # Which kernels ran matters to memory figures: TF 2.21 turns oneDNN on only on CPUs
+    # with AVX-512 VNNI/BF16 or AMX (or with TF_ENABLE_ONEDNN_OPTS=1), and Eigen's
+    # convolutions allocate other scratch (docs/allocator.md).
+    return {"cpus": os.cpu_count(), "system": platform.system(), "cpu": cpu_model(),
+            "onednn": bool(_pywrap_util_port.IsMklEnabled()),
             "python": platform.python_version(), "tensorflow": tf.__version__,
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 

@@ -203,6 +203,25 @@ def test_a_stale_result_table_is_caught(tmp_path):
     assert "| a typed figure |" not in doc.read_text()
 
 
+def test_a_result_names_the_cpu_and_whether_onednn_ran():
+    # Memory figures depend on the kernels: TF turns oneDNN on by the CPU's features.
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
+    gen_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_docs)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results
+    finally:
+        sys.path.pop(0)
+    machine = results.machine()
+    assert machine["cpu"] and isinstance(machine["onednn"], bool), machine
+    record = {"command": "python benchmarks/x.py", "commit": "abc1234", "date": "2026-12-01",
+              "machine": dict(machine, cpu="Some CPU", onednn=False)}
+    assert ", on Some CPU with oneDNN off," in gen_docs.source(record)
+    del record["machine"]["onednn"]
+    assert "oneDNN" not in gen_docs.source(record)
+
+
 def test_readme_stays_a_front_page():
     lines = README.read_text().splitlines()
     assert len(lines) <= 300
