@@ -191,11 +191,17 @@ def test_every_result_table_is_the_one_its_file_gives():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_a_stale_result_table_is_caught(tmp_path):
-    doc = tmp_path / "doc.md"
+def _gen_docs():
+    """tools/gen_docs.py as a module."""
     spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
     gen_docs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen_docs)
+    return gen_docs
+
+
+def test_a_stale_result_table_is_caught(tmp_path):
+    doc = tmp_path / "doc.md"
+    gen_docs = _gen_docs()
     doc.write_text("<!-- results:plan_time -->\n| a typed figure |\n<!-- /results:plan_time -->\n")
     assert gen_docs.main(["--check", str(doc)]) == 1
     assert gen_docs.main([str(doc)]) == 0
@@ -205,9 +211,7 @@ def test_a_stale_result_table_is_caught(tmp_path):
 
 def test_a_result_names_the_cpu_and_whether_onednn_ran():
     # Memory figures depend on the kernels: TF turns oneDNN on by the CPU's features.
-    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
-    gen_docs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen_docs)
+    gen_docs = _gen_docs()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import results

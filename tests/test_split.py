@@ -8,8 +8,8 @@ slices with barrier NoOps so that one slice's working set is live at a time.
 
 Numerics, as tested here: per-sample outputs (logits, per-sample losses) are bit
 for bit those of the unsplit step run on each slice, and the whole batch's where the
-CPU's kernels are batch-invariant (else within a relative 1e-6); weight gradients are sums over the slices in another order, within
-a relative 1e-5 of the unsplit ones at equal weights. Over several steps ReLU and
+CPU's kernels are batch-invariant (else within a relative 1e-6); weight gradients
+are sums over the slices in another order, within a relative 1e-5 of the unsplit ones at equal weights. Over several steps ReLU and
 max-pool turn such last-bit differences into different gradient elements wherever
 a pre-activation or a pooling window is within rounding of a tie, so losses and
 weights after 3 steps are checked within rtol 1e-5 on a model whose gradient is a
@@ -549,8 +549,8 @@ rows = reports[-1].split.get("rows", []) if reports else []
 model_m, step_m = make()
 micro = [step_m(x[a:a + n], y[a:a + n], tf.constant(0.0))
          for a, n in zip(np.cumsum([0] + rows[:-1]), rows)]
-micro = {"logits": np.concatenate([m[1].numpy() for m in micro]) if micro else None,
-         "per_sample": np.concatenate([m[2].numpy() for m in micro]) if micro else None}
+micro = {k: np.concatenate([m[i].numpy() for m in micro])
+         for k, i in (("logits", 1), ("per_sample", 2))} if micro else None
 
 
 def rel(a, b):
@@ -565,10 +565,10 @@ print("RESULT " + json.dumps({
     "first_step_rel": {k: rel(base[0][k], mine[0][k]) for k in ("loss", "logits", "per_sample")},
     # Whether TF's kernels give each row the same bits at the slices' number of rows
     # as at the whole batch's, and whether the split gives the micro-batches' bits.
-    "kernels_batch_invariant": micro["logits"] is not None and all(
-        base[0][k].tobytes() == micro[k].tobytes() for k in ("logits", "per_sample")),
-    "equals_micro_batches": micro["logits"] is not None and all(
-        mine[0][k].tobytes() == micro[k].tobytes() for k in ("logits", "per_sample")),
+    "kernels_batch_invariant": micro is not None and all(
+        base[0][k].tobytes() == micro[k].tobytes() for k in micro),
+    "equals_micro_batches": micro is not None and all(
+        mine[0][k].tobytes() == micro[k].tobytes() for k in micro),
     "first_step_grads": [rel(a, b) for a, b in zip(base[0]["grads"], mine[0]["grads"])],
     "losses": [[float(s["loss"]) for s in base], [float(s["loss"]) for s in mine]],
     "weights": [rel(a, b) for a, b in zip(base_weights, my_weights)],

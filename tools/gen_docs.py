@@ -52,10 +52,10 @@ def source(record):
     imported = " (recorded from its log)" if record.get("imported_from_log") else ""
     if imported:
         load = ""  # the machine's load when the log was recorded, not when it ran
-    kernels = record.get("machine", {}).get("onednn")
-    kernels = "" if kernels is None else (
+    onednn = record.get("machine", {}).get("onednn")
+    kernels = "" if onednn is None else (
         f", on {record['machine'].get('cpu') or 'an unnamed CPU'} with oneDNN "
-        f"{'on' if kernels else 'off'}")
+        f"{'on' if onednn else 'off'}")
     return (f"`{record['command']}` at commit `{record['commit']}`, {record['date']}"
             f"{kernels}{imported}{load}.")
 
