@@ -222,6 +222,25 @@ def test_a_split_that_misses_the_budget_too_is_applied_only_where_it_beats_the_p
         report.split["note"]
 
 
+def test_slice_counts_between_powers_of_two_are_tried_and_the_fewest_that_fit_wins(seed_cnn):
+    step, x, y, before = seed_cnn
+    # Swapping and recomputation off: a trial's peak is its split's own.
+    fields = dict(enable_swap=False, enable_recompute=False)
+    _, probe = optimize(step, x, y, budget=int(0.05 * before), **fields)
+    trials = [t for t in probe.split["trials"] if not t["through_batch_statistics"]]
+    peaks = {t["slices"]: max(t["peak_bytes"]) for t in trials}
+    # 2, 3, 4, 6, 8, then 16: 12 slices of 16-row units (the labels' 64-byte rows)
+    # would leave slices of 32 rows, as 8 do, so 12 is not tried.
+    assert [t["slices"] for t in trials] == [2, 3, 4, 6, 8, 16]
+    assert peaks[2] > peaks[3] > peaks[4]
+    # A budget that 3 slices meet and 2 do not: 3 slices, not 4.
+    graph, report = optimize(step, x, y, budget=(peaks[2] + peaks[3]) // 2, **fields)
+    assert report.fits and report.split["applied"]
+    assert report.split["slices"] == 3 and report.split["rows"] == [96, 80, 80]
+    assert [t["slices"] for t in report.split["trials"]] == [2, 3]
+    assert all(indices == [0, 1, 2] for indices in split_slices(graph).values())
+
+
 def test_splitting_is_used_only_when_the_other_mechanisms_do_not_suffice(seed_cnn):
     step, x, y, before = seed_cnn
     # 0.9 x the peak is above the largest op's working set: recomputation suffices.

@@ -22,6 +22,15 @@ using tensorflow::grappler::GrapplerItem;
 // Split candidates are built, analyzed and planned in full: a bound on how many.
 constexpr int kMaxTrials = 12;
 
+// Slice counts tried: 2, 3, 4, 6, 8, 12, ... (each power of two, then 1.5 times it).
+// Between two powers of two, 1.5 times the smaller gives slices whose tensors pack
+// BFC's doubling regions differently (a third of a batch where halves leave a
+// region's last quarter unused), at fewer slices than the next power of two.
+int NextSliceCount(int k) {
+  const bool power_of_two = (k & (k - 1)) == 0;
+  return power_of_two ? k + k / 2 : k / 3 * 4;
+}
+
 // Predicted compute of what the split adds: cuts, joins and sums. The slices' own
 // work is taken as equal to the original's (per-sample work is linear in the rows;
 // TF's estimator often cannot price the original, whose shape inputs are computed,
@@ -284,11 +293,18 @@ absl::Status SearchSplits(const GrapplerItem& item, const TensorTable& table,
   int64_t unaligned = 0;  // a region's slice unit when the batch has fewer than 2 of them
   for (const std::vector<int>& region : region_sets) {
     int64_t previous_excess = unsplit_excess;
+    int64_t previous_rows = batch.batch;  // the largest slice of the last count tried
     const int64_t unit = SliceUnit(table, batch, region);
     if (SliceRows(batch.batch, 2, unit).empty()) unaligned = unit;
     for (int k = 2; k <= planner.max_split_slices && !SliceRows(batch.batch, k, unit).empty() &&
                     trials < kMaxTrials;
-         k *= 2) {
+         k = NextSliceCount(k)) {
+      // Aligned slices can be uneven: a count whose largest slice is no smaller than
+      // the last count's peaks no lower (a batch of 4 units in 3 slices: 2, 1, 1).
+      const std::vector<int64_t> rows = SliceRows(batch.batch, k, unit);
+      const int64_t largest = *std::max_element(rows.begin(), rows.end());
+      if (largest >= previous_rows) continue;
+      previous_rows = largest;
       ++trials;
       auto trial = std::make_unique<Trial>();
       SplitGraph& candidate = trial->graph;
@@ -350,8 +366,13 @@ absl::Status SearchSplits(const GrapplerItem& item, const TensorTable& table,
       const int64_t excess = result.excess;
       if (better) best = std::move(trial);
       if (result.fits) break;  // a larger k only costs more
-      // More slices help only while each slice's working set keeps the plan from fitting.
-      if (excess >= previous_excess) break;
+      // More slices help only while each slice's working set keeps the plan from
+      // fitting. A count between two powers of two that does not help may pack the
+      // allocator's regions worse than the next power of two: that one is still tried.
+      if (excess >= previous_excess) {
+        if ((k & (k - 1)) == 0) break;
+        continue;
+      }
       previous_excess = excess;
     }
     if (best != nullptr && best->result.fits) break;  // the smaller region suffices

@@ -8,8 +8,10 @@
 //    must keep (fetches), and any that would read a region tensor whole or a
 //    reduction's partial sum. Their connected parts are the candidate regions;
 //    the one with the largest op working set is tried first, then all of them.
-//  * Factor: k = 2, 4, 8, ... (at most MemoryPlannerOptions::max_split_slices and
-//    the batch size), the smallest first, since every slice runs smaller kernels.
+//  * Factor: k = 2, 3, 4, 6, 8, 12, ... (each power of two, then 1.5 times it; at
+//    most MemoryPlannerOptions::max_split_slices and the batch size), the smallest
+//    first, since every slice runs smaller kernels; a k whose largest (aligned)
+//    slice is no smaller than the last k's is skipped.
 //  * Batch statistics: the regions first end at every gradient of a mean over the
 //    batch (batch normalization's). Only when no such split fits, and
 //    split_batch_statistics allows it, the search runs again with regions passing
