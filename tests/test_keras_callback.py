@@ -75,7 +75,7 @@ def test_fit_reports_the_train_step_and_recomputes_under_a_tight_budget(peak_wit
 
     report = callback.report
     assert report is not None and report.status == "ok"
-    assert "one_step_on_data" in report.graph_id  # the batch is read before the step
+    assert "multi_step_on_iterator" in report.graph_id  # the step fit runs without it
     # Only the train step's graph: its plan, and a re-plan under a lower budget when
     # its first steps measured over the budget (the allocator's order varies by run).
     assert {r.graph_id for r in callback.reports} == {report.graph_id}
@@ -99,6 +99,68 @@ def test_losses_are_bitwise_those_of_fit_without_the_callback(peak_without_rewri
     optimized = fit(mlp(), [callback])
     assert callback.report.graph_changed
     assert optimized == plain  # Python floats: bitwise
+
+
+def pipeline(samples=SAMPLES):
+    """A tf.data pipeline of data(): its element spec's batch dimension is None."""
+    dataset = tf.data.Dataset.from_tensor_slices(data(samples)).batch(BATCH)
+    assert dataset.element_spec[0].shape[0] is None
+    return dataset
+
+
+def test_a_tf_data_fit_runs_the_step_keras_traced_for_its_pipeline(peak_without_rewrite):
+    # The guarded first steps read their batches beforehand (a retry needs them) and
+    # replay them through an iterator of the pipeline's own element spec, so TF runs
+    # the train function Keras traced for the pipeline, batch dimension unknown, as
+    # fit without tfmemopt does. A step traced on the batches' static shapes is
+    # another graph, whose kernels TF may choose otherwise (oneDNN's bfloat16
+    # convolutions on an AVX-512 CPU: losses differ in the last bits).
+    plain = mlp().fit(pipeline(), epochs=2, verbose=0).history["loss"]
+    callback = MemoryOptimizer(budget=int(0.75 * peak_without_rewrite), log_level=0)
+    optimized = mlp().fit(pipeline(), epochs=2, verbose=0, callbacks=[callback])
+    assert callback.reports and callback.report.graph_changed
+    # One trace, of the function that takes the iterator: no step on static shapes.
+    assert [r.graph_id for r in callback.reports if "one_step_on_data" in r.graph_id] == []
+    assert "multi_step_on_iterator" in callback.report.graph_id
+    assert callback.report.to_dict()["assume_batch_size"] == BATCH
+    assert optimized.history["loss"] == plain  # Python floats: bitwise
+
+
+def small_cnn():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_tf_data_fit_whose_plan_needs_a_split_runs_on_the_batches_own_shapes(caplog):
+    # The pipeline's step has no static batch size, so it cannot be split. When its
+    # plan misses the budget, the next steps run on the batches' own shapes (a trace
+    # of their own), which can be split: the report of that graph shows the split.
+    caplog.set_level(logging.INFO, logger="tensorflow")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4 * 64, 32, 32, 3)).astype(np.float32)
+    y = rng.integers(0, 10, 4 * 64)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
+    probe = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    small_cnn().fit(dataset, epochs=1, verbose=0, callbacks=[probe])
+    assert probe.report.split.get("batch", 0) == 0  # the pipeline's graph: unknown batch
+    before = probe.report.predicted_peak_bytes["before"]["CPU:0"]
+    callback = MemoryOptimizer(budget=int(0.3 * before), log_level=0)
+    history = small_cnn().fit(dataset, epochs=1, verbose=0, callbacks=[callback])
+    first, last = callback.reports[0], callback.reports[-1]
+    assert "multi_step_on_iterator" in first.graph_id and first.fits is False
+    assert "splitting it along the batch needs a static batch size" in caplog.text
+    assert "one_step_on_data" in last.graph_id
+    assert last.split["applied"] and last.split["batch"] == 64 and last.split["slices"] >= 2
+    assert last.predicted_peak_bytes["after"]["CPU:0"] < first.predicted_peak_bytes["after"]["CPU:0"]
+    assert all(np.isfinite(history.history["loss"]))
 
 
 def test_assume_batch_size_comes_from_the_batch_size_of_fit(caplog):

@@ -3,9 +3,11 @@
     model.fit(x, y, batch_size=256,
               callbacks=[tfmemopt.keras.MemoryOptimizer(budget="6GiB")])
 
-Keras 3 on TensorFlow traces its train step (one `multi_step_on_iterator` graph, or
-`one_step_on_data` when the callback retries steps that run out of memory, its
-default) on the first batch of `fit`, after `on_train_begin`, and TF instantiates it, running
+Keras 3 on TensorFlow traces its train step (one `multi_step_on_iterator` graph; the
+callback replays each step's batches, read beforehand for a retry, through an iterator
+of the data's element spec, so that graph is the one that runs; `one_step_on_data`
+only when a plan needs a static batch size to split) on the first batch of `fit`, after
+`on_train_begin`, and TF instantiates it, running
 Grappler and with it TfMemOpt, once per config_proto it is called with. So the pass
 enabled in `on_train_begin` applies to this fit's step. The callback also makes Keras
 build a new train function (`make_train_function(force=True)`): a step traced by an
@@ -23,9 +25,9 @@ import tfmemopt
 from tfmemopt import _eager_context, _keras_hook, feedback
 from tfmemopt.config import _is_repeated
 
-# The train step's graph: Keras's own (the iterator read in the graph), or, when the
-# callback retries steps that run out of memory, the one-batch step it calls with
-# batches read beforehand.
+# The train step's graph: Keras's own (the iterator read in the graph; the callback
+# replays batches read beforehand through an iterator of the same spec), or the
+# one-batch step on the batches' own shapes, when a plan needs a static batch size.
 # tf_keras (Keras 2) traces one `train_function` graph.
 _TRAIN_GRAPHS = ("multi_step_on_iterator", "one_step_on_data", "__inference_train_function_")
 
@@ -125,7 +127,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
     retries: how many times a train step that runs out of memory is re-planned under a
       lower budget and retried with the same batch (0: never; see tfmemopt.feedback).
       The callback then reads each step's batches before the step (so that it can
-      retry them) and calls Keras's one-batch step on them; a lowered budget is kept
+      retry them) and replays them through an iterator of the data's element spec,
+      so that Keras's own step runs them (docs/usage.md#keras); a lowered budget is kept
       for the rest of the fit and for later fits with this callback. When the
       re-plans are used up, or no lower budget can change the plan, the step is run
       once more as TF built it, and keeps running so where that trains (`original`).
@@ -177,6 +180,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
         self._steps_since_plan = 0
         # The train graph that ran batches of each shape in this fit (None: not known yet).
         self._graph_of_shapes = {}
+        # Guarded steps run the graph Keras traced for the fit's iterator (_replay)
+        # until its plan needs a split, which needs a static batch size.
+        self._static_batch = False
         self._budget = budget
         self._fields = fields
         self.plot_to = plot_to
@@ -337,6 +343,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 break
         if not batches:
             raise StopIteration
+        replay_spec = _replay_spec(iterator)
         shapes = tuple(tuple(t.shape) for t in tf.nest.flatten(batches) if hasattr(t, "shape"))
         if shapes not in self._graph_of_shapes:
             # Batches of a shape this fit has not run yet (the first ones, a partial
@@ -346,8 +353,9 @@ class MemoryOptimizer(keras.callbacks.Callback):
             self._graph_of_shapes[shapes] = None
             self._steps_since_plan = 0
             if self._legacy:
-                self._trace_legacy_step(batches)
+                self._trace_legacy_step(batches, None if self._static_batch else replay_spec)
         while True:
+            spec = None if self._static_batch else replay_spec
             guarded = self._steps_since_plan < self.guard_steps
             snapshot = devices = None
             if guarded:
@@ -358,7 +366,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 in_use_before = feedback.read_in_use(devices)
                 reports_before = feedback.report_count()
             try:
-                logs = self._step(self._legacy_iterator(batches) if self._legacy else batches)
+                logs = self._step(_replay(batches, spec, self._legacy))
             except tf.errors.ResourceExhaustedError as error:
                 report = self._report_for(shapes)
                 if report is None:
@@ -369,6 +377,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
                     self._lower_budget(report, error, {}, retrying=False)
                     raise
                 snapshot.restore()  # the failed attempt's updates never survive
+                if spec is not None and self._take_static_batch(report):
+                    continue  # the same batches, traced on their own shapes
                 created = snapshot.not_covered(self._step_variables())
                 if created:
                     _logger().warning(
@@ -409,7 +419,34 @@ class MemoryOptimizer(keras.callbacks.Callback):
                         self._enable()
                         if replan["retrace"]:
                             self._retrace()
+                if spec is not None and report is not None:
+                    self._take_static_batch(report)
             return logs
+
+    def _take_static_batch(self, report):
+        """Whether the guarded steps now run the batches on their own shapes: the plan
+        of the graph Keras traced for the fit's iterator misses its budget, and the
+        split it would need is not possible there, since that graph's batch size is
+        not static (a tf.data pipeline's batch dimension is unknown). The step traced
+        on the batches' shapes can be split; it is another graph than fit without
+        tfmemopt runs, so its losses may differ in the last bits (as a split's do)."""
+        split = report.split
+        if (self._static_batch or self.original or report.fits is not False
+                or not split.get("planned") or split.get("batch", 0) >= 2
+                or self._fit_fields.get("assume_batch_size", 0) < 2):
+            return False
+        self._static_batch = True
+        self._steps_since_plan = 0
+        # A fresh train function: Keras's (reduce_retracing) would otherwise run the
+        # batches through the trace it has, of an unknown batch size.
+        self._retrace()
+        _logger().info(
+            "tfmemopt: the plan of this fit's train step misses its budget and splitting "
+            "it along the batch needs a static batch size, which the step Keras traced "
+            "for the data does not have: the next steps run on the batches' own shapes "
+            "(a graph of its own; its losses may differ from fit without tfmemopt in the "
+            "last bits).")
+        return True
 
     def _retrace(self):
         """A fresh train function under the current config, behind the wrapper."""
@@ -465,18 +502,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
             steps = steps.numpy()
         return int(steps)
 
-    @staticmethod
-    def _legacy_iterator(batches):
-        """An iterator over `batches` for tf_keras's train function, which reads its
-        batches from an iterator inside the graph. Its element spec is the batches'
-        own shapes, the same at every call for batches of the same shapes, so TF
-        traces the function once per shape, as Keras 3's one-batch step."""
-        dataset = tf.data.Dataset.from_tensors(batches[0])
-        for batch in batches[1:]:
-            dataset = dataset.concatenate(tf.data.Dataset.from_tensors(batch))
-        return iter(dataset)
-
-    def _trace_legacy_step(self, batches):
+    def _trace_legacy_step(self, batches, spec):
         """Traces tf_keras's train function for batches of a shape it has not run
         yet, before the step runs: the variables its first step creates (the compiled
         metrics', the optimizer's) then exist when the snapshot that guards the step
@@ -485,7 +511,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         if concrete is None:
             return
         try:
-            concrete(self._legacy_iterator(batches))
+            concrete(_replay(batches, spec, legacy=True))
         except Exception:  # noqa: BLE001 - the step traces itself, as without us
             pass
 
@@ -565,6 +591,42 @@ class MemoryOptimizer(keras.callbacks.Callback):
             tfmemopt.disable()
         else:
             tfmemopt.enable(**tfmemopt._retry_keywords(), **_fields_of(self._previous))
+
+
+def _replay_spec(iterator):
+    """The element spec of the fit's iterator, when the guarded step can replay its
+    batches through an iterator of that spec: a tf.data iterator of plain tensors (a
+    distribution strategy's iterator, ragged or sparse elements: None)."""
+    if not isinstance(iterator, tf.data.Iterator):
+        return None
+    spec = iterator.element_spec
+    leaves = tf.nest.flatten(spec)
+    if not leaves or not all(type(leaf) is tf.TensorSpec for leaf in leaves):
+        return None
+    return spec
+
+
+def _replay(batches, spec, legacy):
+    """What the train function is called with to run `batches`, read beforehand from
+    the fit's iterator.
+
+    With `spec` (_replay_spec), an iterator over them of that element spec: TF runs
+    the train function Keras traced for the fit's own iterator, with the same static
+    shapes (a dataset's batch dimension is unknown), so the step computes what it
+    computes without tfmemopt. A trace on the batches' concrete shapes is another
+    graph: TF picks some kernels by static shapes (oneDNN's bfloat16 ones), and its
+    losses can differ in the last bits. Without a spec, Keras 3's step takes the list
+    of batches (traced on their shapes); tf_keras's, which reads an iterator inside
+    the graph, an iterator of the batches' own shapes."""
+    if spec is not None:
+        return iter(tf.data.Dataset.from_generator(lambda: iter(batches),
+                                                   output_signature=spec))
+    if not legacy:
+        return batches
+    dataset = tf.data.Dataset.from_tensors(batches[0])
+    for batch in batches[1:]:
+        dataset = dataset.concatenate(tf.data.Dataset.from_tensors(batch))
+    return iter(dataset)
 
 
 def _fields_of(config):
