@@ -183,6 +183,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         # Guarded steps run the graph Keras traced for the fit's iterator (_replay)
         # until its plan needs a split, which needs a static batch size.
         self._static_batch = False
+        self._replayer = None  # _Replay of the fit iterator's element spec
         self._budget = budget
         self._fields = fields
         self.plot_to = plot_to
@@ -335,6 +336,21 @@ class MemoryOptimizer(keras.callbacks.Callback):
     def _guarded_step(self, iterator):
         """Runs one train step on batches read beforehand, so that a step that runs
         out of memory can be re-planned and retried with the same batches."""
+        replay_spec = _replay_spec(iterator)
+        if (replay_spec is not None and not self._static_batch
+                and self._steps_since_plan >= self.guard_steps):
+            # Past the guarded steps a step is not retried, so its batches need not be
+            # read beforehand: Keras's own step reads the fit's iterator, as without
+            # tfmemopt (the graph a replay runs too, at no cost per step).
+            try:
+                return self._step(iterator)
+            except tf.errors.ResourceExhaustedError as error:
+                report = self._report_for(None)
+                if report is not None:
+                    # The lower budget is for the next plan; variables may be partly
+                    # updated, so the step is not retried.
+                    self._lower_budget(report, error, {}, retrying=False)
+                raise
         batches = []
         for _ in range(self._steps_per_execution()):
             try:
@@ -343,7 +359,6 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 break
         if not batches:
             raise StopIteration
-        replay_spec = _replay_spec(iterator)
         shapes = tuple(tuple(t.shape) for t in tf.nest.flatten(batches) if hasattr(t, "shape"))
         if shapes not in self._graph_of_shapes:
             # Batches of a shape this fit has not run yet (the first ones, a partial
@@ -366,7 +381,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
                 in_use_before = feedback.read_in_use(devices)
                 reports_before = feedback.report_count()
             try:
-                logs = self._step(_replay(batches, spec, self._legacy))
+                logs = self._step(self._replay(batches, spec))
             except tf.errors.ResourceExhaustedError as error:
                 report = self._report_for(shapes)
                 if report is None:
@@ -423,6 +438,15 @@ class MemoryOptimizer(keras.callbacks.Callback):
                     self._take_static_batch(report)
             return logs
 
+    def _replay(self, batches, spec):
+        """What the train function is called with to run `batches`, read beforehand
+        from the fit's iterator (_Replay; without a spec, _replay_unshaped)."""
+        if spec is None:
+            return _replay_unshaped(batches, self._legacy)
+        if self._replayer is None or self._replayer.spec != spec:
+            self._replayer = _Replay(spec)
+        return self._replayer.iterator(batches)
+
     def _take_static_batch(self, report):
         """Whether the guarded steps now run the batches on their own shapes: the plan
         of the graph Keras traced for the fit's iterator misses its budget, and the
@@ -440,7 +464,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
         # A fresh train function: Keras's (reduce_retracing) would otherwise run the
         # batches through the trace it has, of an unknown batch size.
         self._retrace()
-        _logger().info(
+        # A warning, as a split's is: the user learns that the last bits may change.
+        _logger().warning(
             "tfmemopt: the plan of this fit's train step misses its budget and splitting "
             "it along the batch needs a static batch size, which the step Keras traced "
             "for the data does not have: the next steps run on the batches' own shapes "
@@ -511,7 +536,7 @@ class MemoryOptimizer(keras.callbacks.Callback):
         if concrete is None:
             return
         try:
-            concrete(_replay(batches, spec, legacy=True))
+            concrete(self._replay(batches, spec))
         except Exception:  # noqa: BLE001 - the step traces itself, as without us
             pass
 
@@ -606,21 +631,31 @@ def _replay_spec(iterator):
     return spec
 
 
-def _replay(batches, spec, legacy):
-    """What the train function is called with to run `batches`, read beforehand from
-    the fit's iterator.
+class _Replay:
+    """Batches read beforehand, run through an iterator of the fit iterator's element
+    spec: TF then runs the train function Keras traced for the fit's own iterator,
+    with the same static shapes (a dataset's batch dimension is unknown), so the step
+    computes what it computes without tfmemopt. A trace on the batches' concrete
+    shapes would be another graph: TF picks some kernels by static shapes (oneDNN's
+    bfloat16 convolutions), and its losses can differ in the last bits. One dataset
+    serves every step (a dataset per step would trace its functions each time); each
+    iterator made from it yields the batches of its step."""
 
-    With `spec` (_replay_spec), an iterator over them of that element spec: TF runs
-    the train function Keras traced for the fit's own iterator, with the same static
-    shapes (a dataset's batch dimension is unknown), so the step computes what it
-    computes without tfmemopt. A trace on the batches' concrete shapes is another
-    graph: TF picks some kernels by static shapes (oneDNN's bfloat16 ones), and its
-    losses can differ in the last bits. Without a spec, Keras 3's step takes the list
-    of batches (traced on their shapes); tf_keras's, which reads an iterator inside
-    the graph, an iterator of the batches' own shapes."""
-    if spec is not None:
-        return iter(tf.data.Dataset.from_generator(lambda: iter(batches),
-                                                   output_signature=spec))
+    def __init__(self, spec):
+        self.spec = spec
+        self._batches = []
+        self._dataset = tf.data.Dataset.from_generator(lambda: iter(self._batches),
+                                                       output_signature=spec)
+
+    def iterator(self, batches):
+        self._batches = list(batches)
+        return iter(self._dataset)
+
+
+def _replay_unshaped(batches, legacy):
+    """Without the fit iterator's spec (_replay_spec): Keras 3's step takes the list of
+    batches (traced on their shapes); tf_keras's, which reads an iterator inside the
+    graph, an iterator of the batches' own shapes."""
     if not legacy:
         return batches
     dataset = tf.data.Dataset.from_tensors(batches[0])
