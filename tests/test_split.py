@@ -9,12 +9,12 @@ slices with barrier NoOps so that one slice's working set is live at a time.
 Numerics, as tested here: per-sample outputs (logits, per-sample losses) are bit
 for bit those of the unsplit step run on each slice, and the whole batch's where the
 CPU's kernels are batch-invariant (else within a relative 1e-6); weight gradients
-are sums over the slices in another order, within a relative 1e-5 of the unsplit ones at equal weights. Over several steps ReLU and
-max-pool turn such last-bit differences into different gradient elements wherever
-a pre-activation or a pooling window is within rounding of a tie, so losses and
-weights after 3 steps are checked within rtol 1e-5 on a model whose gradient is a
-continuous function of the weights (tanh, average pooling), and losses only on the
-seed CNN.
+are sums over the slices in another order, within a relative 1e-5 of the unsplit
+ones at equal weights. Over several steps ReLU and max-pool turn such last-bit
+differences into different gradient elements wherever a pre-activation or a pooling
+window is within rounding of a tie, so losses and weights after 3 steps are checked
+within rtol 1e-5 on a model whose gradient is a continuous function of the weights
+(tanh, average pooling), and losses only on the seed CNN.
 """
 
 import json

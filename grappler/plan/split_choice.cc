@@ -26,10 +26,8 @@ constexpr int kMaxTrials = 12;
 // Between two powers of two, 1.5 times the smaller gives slices whose tensors pack
 // BFC's doubling regions differently (a third of a batch where halves leave a
 // region's last quarter unused), at fewer slices than the next power of two.
-int NextSliceCount(int k) {
-  const bool power_of_two = (k & (k - 1)) == 0;
-  return power_of_two ? k + k / 2 : k / 3 * 4;
-}
+bool IsPowerOfTwo(int k) { return (k & (k - 1)) == 0; }
+int NextSliceCount(int k) { return IsPowerOfTwo(k) ? k + k / 2 : k / 3 * 4; }
 
 // Predicted compute of what the split adds: cuts, joins and sums. The slices' own
 // work is taken as equal to the original's (per-sample work is linear in the rows;
@@ -370,7 +368,7 @@ absl::Status SearchSplits(const GrapplerItem& item, const TensorTable& table,
       // fitting. A count between two powers of two that does not help may pack the
       // allocator's regions worse than the next power of two: that one is still tried.
       if (excess >= previous_excess) {
-        if ((k & (k - 1)) == 0) break;
+        if (IsPowerOfTwo(k)) break;
         continue;
       }
       previous_excess = excess;
