@@ -28,7 +28,7 @@ they do not count in max_abs_error.
 
 Usage: python benchmarks/peak_accuracy.py [--models NAME ...] [--inter-op N]
            [--budget-ratio R] [--no-planned] [--warmup N] [--steps N] [--runs N]
-           [--reserve-memory | --growing-pool] [--json]
+           [--reserve-memory] [--json]
 With --json, the last line of stdout is one JSON object:
 {"models": {name: {"unplanned": M, "planned": M}}, "apart": {name: {"default":
 {"unplanned": M, "planned": M}, "inter_op_1": {...}}}, "max_abs_error",
@@ -60,7 +60,7 @@ if inter_op:
 import tfmemopt
 from models import MODELS
 tf.keras.utils.set_random_seed(0)
-budget, reserve = int(sys.argv[6]), json.loads(sys.argv[8])
+budget, reserve = int(sys.argv[6]), sys.argv[8] == "1"
 if budget:
     tfmemopt.enable(budget=budget, log_level=0, reserve_memory=reserve, **json.loads(sys.argv[7]))
 else:
@@ -96,16 +96,16 @@ print("TRIAL " + json.dumps({
 
 
 def run_trial(name, inter_op=0, warmup=2, steps=5, budget=0, timeout=1800, fields=None,
-              reserve=None):
+              reserve=False):
     """Trains `name` in a fresh interpreter; returns its predicted and measured peaks.
     budget > 0: the pass plans under that many bytes; 0: ANALYZE_ONLY; either with
-    tfmemopt.enable()'s other `fields` ({} by default). reserve: enable()'s
-    reserve_memory (None: its default, the pool reserved as it is not yet in use)."""
+    tfmemopt.enable()'s other `fields` ({} by default). reserve:
+    enable(reserve_memory=True)."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
     env.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16384")
     proc = subprocess.run(
         [sys.executable, "-c", _TRIAL, HERE, name, str(inter_op), str(warmup), str(steps),
-         str(budget), json.dumps(fields or {}), json.dumps(reserve)],
+         str(budget), json.dumps(fields or {}), "1" if reserve else "0"],
         capture_output=True, text=True, env=env, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("TRIAL "):
@@ -113,7 +113,7 @@ def run_trial(name, inter_op=0, warmup=2, steps=5, budget=0, timeout=1800, field
     raise RuntimeError(f"{name}: trial failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
 
 
-def run_model(name, inter_op=0, warmup=2, steps=5, runs=3, budget=0, reserve=None,
+def run_model(name, inter_op=0, warmup=2, steps=5, runs=3, budget=0, reserve=False,
               fields=None):
     """The median over `runs` processes of the peak each reaches."""
     trials = [run_trial(name, inter_op, warmup, steps, budget, fields=fields, reserve=reserve)
@@ -171,12 +171,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="steps before the measured ones")
     parser.add_argument("--steps", type=int, default=5, help="steps measured (peak over all)")
     parser.add_argument("--runs", type=int, default=5, help="processes per model (median)")
-    pool = parser.add_mutually_exclusive_group()
-    pool.add_argument("--reserve-memory", dest="reserve_memory", action="store_const",
-                      const=True, help="tfmemopt.enable(reserve_memory=True)")
-    pool.add_argument("--growing-pool", dest="reserve_memory", action="store_const",
-                      const=False, help="tfmemopt.enable(reserve_memory=False): the pool "
-                                        "grows in regions, as TF's CPU allocator has it")
+    parser.add_argument("--reserve-memory", action="store_true",
+                        help="tfmemopt.enable(reserve_memory=True): the pool is one region")
     parser.add_argument("--fields", type=json.loads, default={},
                         help="more tfmemopt.enable() fields, as JSON (e.g. "
                              "'{\"observe_allocator\": true}')")

@@ -20,18 +20,13 @@ planned step that runs out of memory in its first calls is re-planned under a lo
 budget and retried (function_retries, 3 by default; tfmemopt/function_guard.py); a
 batch counts as training when its steps ran, retried or not.
 
-Every tfmemopt configuration reserves the allocator's pool as one region before the
-model is built (tfmemopt.enable()'s default reserve_memory=None;
-docs/allocator.md#reserving-the-pool). "pool_only" is the baseline with that
-reservation and no plan (enable(mode="ANALYZE_ONLY")): what the reservation alone
-gives. --growing-pool passes reserve_memory=False to every tfmemopt configuration
-(the pool grows in regions, as without tfmemopt); --reserve-memory passes True.
+--reserve-memory adds reserve_memory=True to every tfmemopt configuration: the pool is
+reserved as one region first (docs/allocator.md#reserving-the-pool).
 
 Usage: python benchmarks/resnet50_lms.py [--cap-mb 1024] [--lo 16] [--hi 1024]
-           [--reserve-memory | --growing-pool] [--json] [--quick]
+           [--reserve-memory] [--json] [--quick]
 --json prints one JSON object as the last line of stdout:
-{"max_batch_baseline", "max_batch_pool_only", "max_batch_tfmemopt", "max_batch_auto",
-"max_batch_auto_exact",
+{"max_batch_baseline", "max_batch_tfmemopt", "max_batch_auto", "max_batch_auto_exact",
 "overhead_at_baseline_max" (tfmemopt's), "overhead_auto", "overhead_auto_exact", ...}.
 """
 
@@ -47,9 +42,7 @@ from tfmemopt.maxbatch import compare, table  # noqa: E402
 
 # What each configuration passes to tfmemopt.enable(); None: without tfmemopt.
 # "auto": the joint planner (swap and recompute, every field at its default).
-# "pool_only": the pool reserved (enable()'s default) and nothing planned.
-CONFIGS = {"baseline": None, "pool_only": {"mode": "ANALYZE_ONLY"},
-           "tfmemopt": {"enable_recompute": False}, "auto": {},
+CONFIGS = {"baseline": None, "tfmemopt": {"enable_recompute": False}, "auto": {},
            "auto_exact": {"split_batch_statistics": False}}
 DEFAULTS = dict(size=64, cap_mb=1024, lo=16, hi=1024, steps=2, rounds=10)
 # --quick: small images, one trial per configuration and two timed steps (ResNet-50's
@@ -57,26 +50,18 @@ DEFAULTS = dict(size=64, cap_mb=1024, lo=16, hi=1024, steps=2, rounds=10)
 QUICK = dict(size=32, cap_mb=512, lo=2, hi=2, steps=2, rounds=2)
 
 
-def _pool_options(parser):
-    pool = parser.add_mutually_exclusive_group()
-    pool.add_argument("--reserve-memory", dest="reserve_memory", action="store_const",
-                      const=True, help="reserve_memory=True in every tfmemopt configuration")
-    pool.add_argument("--growing-pool", dest="reserve_memory", action="store_const",
-                      const=False, help="reserve_memory=False in every tfmemopt configuration")
-
-
 def main():
     args, settings = models.benchmark_settings(
         __doc__.splitlines()[0], DEFAULTS, QUICK,
         {"size": "image height and width", "lo": "first batch tried",
          "hi": "largest batch tried"},
-        extra=_pool_options)
+        extra=lambda parser: parser.add_argument(
+            "--reserve-memory", action="store_true",
+            help="reserve_memory=True in every tfmemopt configuration"))
     cap_mb = settings["cap_mb"]
-    reserve = ({} if args.reserve_memory is None else {"reserve_memory": args.reserve_memory})
-    configs = {name: (None if fields is None else {**fields, **reserve})
-               for name, fields in CONFIGS.items()
-               # Without a reservation "pool_only" is the baseline again.
-               if not (name == "pool_only" and args.reserve_memory is False)}
+    configs = {name: (None if fields is None else
+                      {**fields, **({"reserve_memory": True} if args.reserve_memory else {})})
+               for name, fields in CONFIGS.items()}
 
     print(f"resnet50_lms: Keras ResNet50 on {settings['size']}x{settings['size']} images, cap "
           f"{cap_mb} MiB, batches {settings['lo']}..{settings['hi']} (doubling, then "
@@ -104,8 +89,6 @@ def main():
     if args.json:
         print(json.dumps({
             "max_batch_baseline": results["baseline"].max_batch,
-            "max_batch_pool_only":
-                results["pool_only"].max_batch if "pool_only" in results else None,
             "max_batch_tfmemopt": results["tfmemopt"].max_batch if "tfmemopt" in results else None,
             "max_batch_auto": results["auto"].max_batch if "auto" in results else None,
             "max_batch_auto_exact":

@@ -56,9 +56,8 @@ PYBIND11_MODULE(_ext, m) {
       "'' or the error message.");
   m.def(
       "reserve_cpu_pool",
-      [](int64_t min_region_bytes, bool only_into_empty_pool) {
-        const tfmemopt::PoolReservation r =
-            tfmemopt::ReserveCpuPool(min_region_bytes, only_into_empty_pool);
+      [](int64_t min_region_bytes) {
+        const tfmemopt::PoolReservation r = tfmemopt::ReserveCpuPool(min_region_bytes);
         py::dict d;
         d["region_bytes"] = r.region_bytes;
         d["limit_bytes"] = r.limit_bytes;
@@ -66,10 +65,9 @@ PYBIND11_MODULE(_ext, m) {
         d["reason"] = r.reason;
         return d;
       },
-      py::arg("min_region_bytes"), py::arg("only_into_empty_pool") = false,
+      py::arg("min_region_bytes"),
       "Reserves the rest of the CPU BFC allocator's limit as one region (the test "
-      "bed), with only_into_empty_pool only when no region exists yet; returns "
-      "region_bytes (0: none, then reason), limit_bytes, pool_bytes.");
+      "bed); returns region_bytes (0: none, then reason), limit_bytes, pool_bytes.");
   m.def(
       "cpu_pool_chunks",
       [] {

@@ -140,7 +140,7 @@ def _nested():
     (dict(enable_swap="no"), TypeError, "enable_swap='no' has type str; allowed: a bool"),
     (dict(function_retries=-1), ValueError, "function_retries=-1; allowed: an int >= 0"),
     (dict(fit_retries=True), ValueError, "fit_retries=True; allowed: an int >= 0"),
-    (dict(reserve_memory=1), ValueError, "reserve_memory=1; allowed: None, True or False"),
+    (dict(reserve_memory=1), ValueError, "reserve_memory=1; allowed: True or False"),
     (dict(use_tfmemopt=False, enable_swap=False), ValueError,
      "use_tfmemopt=False with fields enable_swap; allowed: fields only with use_tfmemopt=True"),
     (dict(step_kwargs={"width": object()}), TypeError, "must be JSON values"),

@@ -4,8 +4,7 @@ With allow_growth, which the test bed always has, BFC's pool is regions of 2 MiB
 4 MiB, ... that a tensor cannot straddle: seed000's CNN runs out of memory at batch
 1821 under a 1024 MiB cap with its peak far below the cap (test_memory_model.py).
 tfmemopt.enable(reserve_memory=True) reserves the rest of the limit as one region, the
-layout of a GPU without memory growth, and plans for it (allocator_region_bytes);
-enable() does so by default when nothing was allocated yet.
+layout of a GPU without memory growth, and plans for it (allocator_region_bytes).
 """
 
 import json
@@ -100,13 +99,13 @@ def test_enable_reserves_the_pool_and_seed_cnn_trains_past_the_region_limit_with
     assert result["losses"] == plain["losses"]
 
 
-def test_reserve_memory_false_keeps_the_growing_pool_which_refuses_it():
-    # The counterpart: reserve_memory=False leaves the pool to grow, as TF has it, and
-    # the model refuses the max-pool gradient's tensor at batch 2000 (splitting off).
+def test_the_growing_pool_still_refuses_it_without_the_reservation():
+    # The counterpart, by default: enable() leaves the pool to grow, and the model
+    # refuses the max-pool gradient's tensor at batch 2000 (splitting off).
     code = r"""
 import json, sys
 import tfmemopt
-config = tfmemopt.enable(enable_split=False, reserve_memory=False)
+config = tfmemopt.enable(enable_split=False)
 sys.path.insert(0, sys.argv[1])
 import models
 step, (x, y) = models.seed_cnn(2000)
@@ -119,43 +118,6 @@ print("RESULT " + json.dumps({"has_region": config.HasField("allocator_region_by
         code, BENCHMARKS, env=capped_allocator_env(1024, TF_CPP_MIN_LOG_LEVEL="2")))
     assert not result["has_region"]
     assert result["refused"] == 2000 * 24 * 24 * 64 * 4 and result["fits"] is False
-
-
-def test_enable_by_default_reserves_a_pool_only_while_nothing_was_allocated_in_it():
-    # First in the script (the usual place), enable() reserves the pool. Called after
-    # TF allocated, it leaves the pool growing and the peak the script may still read
-    # as it was; reserve_memory=True then reserves the rest anyway.
-    first = r"""
-import json
-import tfmemopt
-config = tfmemopt.enable()
-print("RESULT " + json.dumps({"region": config.allocator_region_bytes}))
-"""
-    later = r"""
-import json
-import tensorflow as tf
-import tfmemopt
-x = tf.ones([4 << 20]) * 2.0  # 16 MiB, then 16 more for the product
-peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-config = tfmemopt.enable()
-out = {"peak": peak, "has_region": config.HasField("allocator_region_bytes"),
-       "peak_after": tf.config.experimental.get_memory_info("CPU:0")["peak"],
-       "reason": tfmemopt.memory_pool.reserve_cpu_pool(only_into_empty_pool=True)["reason"]}
-forced = tfmemopt.enable(reserve_memory=True)
-out["forced_region"] = forced.allocator_region_bytes
-out["pool"] = tfmemopt.memory_pool.reserve_cpu_pool()["pool_bytes"]
-print("RESULT " + json.dumps(out))
-"""
-    env = capped_allocator_env(1024, TF_CPP_MIN_LOG_LEVEL="2")
-    assert subprocess_result(run_python(first, env=env))["region"] == 898 * MIB
-    result = subprocess_result(run_python(later, env=env))
-    assert result["peak"] >= 32 * MIB
-    assert not result["has_region"] and result["peak_after"] == result["peak"]
-    assert "the pool already holds" in result["reason"]
-    # The forced reservation is the rest of the limit: what the regions grown for the
-    # two tensors leave.
-    assert 0 < result["forced_region"] < 1024 * MIB - 32 * MIB
-    assert result["pool"] == 1024 * MIB
 
 
 def test_reserve_memory_is_checked_and_does_nothing_without_a_bfc_allocator():
@@ -172,7 +134,7 @@ print("RESULT " + json.dumps({"error": error, "has_region": config.HasField("all
       "reservation": tfmemopt.memory_pool.reserve_cpu_pool()}))
 """
     result = subprocess_result(run_python(code, env={"TF_CPP_MIN_LOG_LEVEL": "2"}))
-    assert result["error"] == "tfmemopt.enable: reserve_memory='yes'; allowed: None, True or False"
+    assert result["error"] == "tfmemopt.enable: reserve_memory='yes'; allowed: True or False"
     assert not result["has_region"]
     assert result["reservation"]["region_bytes"] == 0
     assert "not BFC" in result["reservation"]["reason"]

@@ -11,7 +11,7 @@
 
 namespace tfmemopt {
 
-PoolReservation ReserveCpuPool(int64_t min_region_bytes, bool only_into_empty_pool) {
+PoolReservation ReserveCpuPool(int64_t min_region_bytes) {
   PoolReservation out;
   tensorflow::Allocator* allocator =
       tensorflow::ProcessState::singleton()->GetCPUAllocator(tensorflow::port::kNUMANoAffinity);
@@ -29,11 +29,6 @@ PoolReservation ReserveCpuPool(int64_t min_region_bytes, bool only_into_empty_po
   }
   out.limit_bytes = *stats->bytes_limit;
   out.pool_bytes = stats->pool_bytes.value_or(0);
-  if (only_into_empty_pool && out.pool_bytes > 0) {
-    out.reason = "the pool already holds " + std::to_string(out.pool_bytes) +
-                 " bytes (TF allocated before tfmemopt.enable())";
-    return out;
-  }
   // BFC's Extend() takes the rest of the limit rounded down to 256 bytes; asking for
   // exactly that makes one region of it (the next power-of-two region size is
   // capped by what is left).

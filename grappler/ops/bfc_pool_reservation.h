@@ -40,10 +40,8 @@ struct PoolReservation {
 // allocator if TF has not yet (the one TF's CPU devices use later), but not TF's
 // eager context, so it is safe before any other TF call. The allocator's peak
 // statistics are cleared afterwards, so get_memory_info() does not count the
-// reservation. With `only_into_empty_pool`, a pool that already holds regions (TF or
-// the caller allocated before) is left as it is: clearing its statistics would lose a
-// peak the caller may still read.
-PoolReservation ReserveCpuPool(int64_t min_region_bytes, bool only_into_empty_pool = false);
+// reservation.
+PoolReservation ReserveCpuPool(int64_t min_region_bytes);
 
 }  // namespace tfmemopt
 

@@ -49,7 +49,7 @@ _fit_retries = 0  # enable()'s fit_retries
 _function_retries = 0  # enable()'s function_retries
 
 
-def enable(budget=None, *, fit_retries=3, function_retries=3, reserve_memory=None, **fields):
+def enable(budget=None, *, fit_retries=3, function_retries=3, reserve_memory=False, **fields):
     """Runs TfMemOpt on every tf.function, Keras fit and distribute graph traced
     afterwards, in any thread.
 
@@ -73,27 +73,23 @@ def enable(budget=None, *, fit_retries=3, function_retries=3, reserve_memory=Non
 
     reserve_memory: on the CPU test bed (TF_CPU_ALLOCATOR_USE_BFC=true), whose BFC
     allocator grows in regions of 2 MiB, 4 MiB, ... that a tensor cannot straddle,
-    the pool is reserved: the small regions growth starts with, then the rest of its
-    limit as one region, as a GPU without memory growth (TF's default) has it, and
-    the pass plans for that layout (allocator_region_bytes;
-    docs/allocator.md#reserving-the-pool): a tensor may then be as large as the large
-    region's free bytes. None (default): reserve when nothing was allocated yet (the
-    usual place of enable(), before the model is built), so no peak the script may
-    still read is cleared. True: reserve also in a pool already in use (its peak
-    statistics are cleared). False: leave the pool growing. Touches no page and does
-    not initialize TF. Without a capped BFC allocator (a GPU, or TF's default CPU
-    allocator) it does nothing.
+    True reserves its pool now: the small regions growth starts with, then the rest
+    of its limit as one region, as a GPU without memory growth has it, and plans for
+    that layout (allocator_region_bytes; docs/allocator.md#reserving-the-pool): a
+    tensor may then be as large as the large region's free bytes. Touches no page
+    and does not initialize TF. Off by default: the memory model is calibrated on
+    growing pools. Without a capped BFC allocator it does nothing.
     """
     global _enabled, _fit_retries, _function_retries
     for name, value in (("fit_retries", fit_retries), ("function_retries", function_retries)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"tfmemopt.enable: {name}={value!r}; allowed: an int >= 0")
-    if reserve_memory is not None and not isinstance(reserve_memory, bool):
+    if not isinstance(reserve_memory, bool):
         raise ValueError(f"tfmemopt.enable: reserve_memory={reserve_memory!r}; allowed: "
-                         f"None, True or False")
+                         f"True or False")
     make_config(budget, **fields)  # raises on a bad argument before anything changes
-    if reserve_memory is not False and "allocator_region_bytes" not in fields:
-        memory_pool.reserve_cpu_pool(only_into_empty_pool=reserve_memory is None)
+    if reserve_memory and "allocator_region_bytes" not in fields:
+        memory_pool.reserve_cpu_pool()
     config = make_config(budget, **fields)
     entry = custom_optimizer_entry(config)
     with _lock:

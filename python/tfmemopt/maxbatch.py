@@ -253,10 +253,9 @@ def _check_config(use_tfmemopt, fields, memory_optimization):
             value = fields.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"tfmemopt: {name}={value!r}; allowed: an int >= 0")
-        reserve = fields.get("reserve_memory")
-        if reserve is not None and not isinstance(reserve, bool):
-            raise ValueError(f"tfmemopt: reserve_memory={reserve!r}; "
-                             f"allowed: None, True or False")
+        if not isinstance(fields.get("reserve_memory", False), bool):
+            raise ValueError(f"tfmemopt: reserve_memory={fields['reserve_memory']!r}; "
+                             f"allowed: True or False")
         make_config(**{k: v for k, v in fields.items() if k not in ENABLE_KEYWORDS})
         try:
             json.dumps(fields)

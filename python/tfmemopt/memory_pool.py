@@ -3,10 +3,9 @@
 TF's BFC allocator grows in regions of 2 MiB, 4 MiB, 8 MiB, ... when it may grow, and a
 tensor must fit in one free chunk of one region, so a step whose live bytes fit can
 still be refused one large tensor. The CPU test bed (TF_CPU_ALLOCATOR_USE_BFC=true)
-always grows. tfmemopt.enable() reserves its pool before the first step when nothing
-was allocated yet (reserve_memory=True: also in a pool already in use): the small
-regions growth starts with, then the rest of the limit as one region, close to the
-layout a GPU has without memory growth (TF's default), and tells the
+always grows. tfmemopt.enable(reserve_memory=True) reserves its pool before the first
+step: the small regions growth starts with, then the rest of the limit as one region,
+close to the layout a GPU has without memory growth (TF's default), and tells the
 pass (the config field allocator_region_bytes), whose allocator model then places
 the step in that layout.
 """
@@ -25,7 +24,7 @@ _lock = threading.Lock()
 _reservation = None  # the first reservation made in this process (dict)
 
 
-def reserve_cpu_pool(only_into_empty_pool=False):
+def reserve_cpu_pool():
     """Reserves the CPU BFC allocator's pool, once per process: in an empty pool the
     2, 4, ... MiB regions growth starts with (up to an eighth of the limit), then what
     the limit still allows as one region. Returns a dict: region_bytes (the large
@@ -33,16 +32,12 @@ def reserve_cpu_pool(only_into_empty_pool=False):
     pool_bytes. Touches no page of the regions and does not initialize TF's eager
     context (safe before any other TF call); the allocator's peak
     (tf.config.experimental.get_memory_info) does not count it.
-
-    only_into_empty_pool: reserve only when the pool has no region yet (nothing was
-    allocated before), so that no peak the caller may still read is cleared; what
-    tfmemopt.enable() does by default.
     """
     global _reservation
     with _lock:
         if _reservation is not None and _reservation["region_bytes"] > 0:
             return dict(_reservation)
-        result = dict(_ext.reserve_cpu_pool(MIN_REGION_BYTES, only_into_empty_pool))
+        result = dict(_ext.reserve_cpu_pool(MIN_REGION_BYTES))
         if result["region_bytes"] > 0:
             _reservation = result
         return result
