@@ -214,6 +214,16 @@ class Classifier {
       if (over_batch && op != "Sum") return Not("op");
       if (over_batch) role = BatchRole::kReduce;
       use.batch_inputs = {0};
+    } else if (op == "Pad" || op == "PadV2" || op == "MirrorPad") {
+      // Padding of the other dimensions (ZeroPadding2D, a convolution's "same"
+      // border) is per sample; the paddings, and PadV2's value, are used whole.
+      // Padding along the batch adds rows: not per sample.
+      std::vector<int64_t> paddings;
+      if (inputs < 2 || !InputInts(node, 1, &paddings) || paddings.size() < 2 ||
+          paddings[0] != 0 || paddings[1] != 0) {
+        return Not("op");
+      }
+      use.batch_inputs = {0};
     } else if (op == "Select") {
       // The condition has the inputs' shape, or is a vector over dimension 0: cut
       // along the batch either way.
