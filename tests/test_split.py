@@ -29,6 +29,7 @@ from tensorflow.python.grappler import tf_optimizer
 
 import tfmemopt
 from tfmemopt.analysis import metagraph_of
+from tfmemopt.demo import keras_train_step
 
 from conftest import (
     BENCHMARKS, capped_allocator_env, optimize, peak_before, run_python, subprocess_result,
@@ -650,24 +651,15 @@ def test_zero_padding_is_split_with_the_convolutions_it_feeds_and_its_rows_stay_
 
 
 def padded_cnn(batch):
-    """A CNN whose convolutions each read a ZeroPadding2D, trained with SGD."""
+    """A CNN whose convolutions each read a ZeroPadding2D, trained with Adam."""
     tf.keras.utils.set_random_seed(0)
     L = tf.keras.layers
     model = tf.keras.Sequential([
         tf.keras.Input((28, 28, 1)), L.ZeroPadding2D(1), L.Conv2D(32, 3, activation="relu"),
         L.ZeroPadding2D(1), L.Conv2D(64, 3, activation="relu"), L.MaxPooling2D(2),
         L.Flatten(), L.Dense(10)])
-    optimizer = tf.keras.optimizers.SGD(0.01)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = keras_train_step(
+        model, tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
     x = tf.constant(rng.random((batch, 28, 28, 1), dtype=np.float32))
     y = tf.constant(rng.integers(0, 10, size=(batch,), dtype=np.int32))
