@@ -215,8 +215,8 @@ class Classifier {
       if (over_batch) role = BatchRole::kReduce;
       use.batch_inputs = {0};
     } else if (op == "Pad" || op == "PadV2" || op == "MirrorPad") {
-      // Padding of the other dimensions (ZeroPadding2D, a convolution's "same"
-      // border) is per sample; the paddings, and PadV2's value, are used whole.
+      // Padding of the other dimensions (ZeroPadding2D, a causal Conv1D's left
+      // padding) is per sample; the paddings, and PadV2's value, are used whole.
       // Padding along the batch adds rows: not per sample.
       std::vector<int64_t> paddings;
       if (inputs < 2 || !InputInts(node, 1, &paddings) || paddings.size() < 2 ||
