@@ -242,6 +242,36 @@ def test_slice_counts_between_powers_of_two_are_tried_and_the_fewest_that_fit_wi
     assert all(indices == [0, 1, 2] for indices in split_slices(graph).values())
 
 
+RESNET50_SLICE_SEARCH = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import models, tfmemopt
+step, args = models.resnet50(int(sys.argv[2]), size=64)
+report = tfmemopt.analyze(step, *args)
+print("RESULT " + json.dumps({"fits": report.fits, "split": report.split}))
+"""
+
+
+def test_the_slice_search_goes_on_past_a_count_that_packs_the_allocator_worse():
+    # Keras ResNet-50 64x64 at batch 384 under a 1024 MiB cap (the default budget,
+    # 921.6 MiB). Only a split through batch statistics comes near the budget, and
+    # its predicted peak is not monotone in the count: each count cuts tensors of
+    # other sizes for BFC's doubling regions to hold. The search must not stop at
+    # the first power of two that does worse than the count before it.
+    proc = run_python(RESNET50_SLICE_SEARCH, BENCHMARKS, 384,
+                      env=capped_allocator_env(1024, TF_CPP_MIN_LOG_LEVEL="2"))
+    result = subprocess_result(proc)
+    split = result["split"]
+    peaks = [(t["slices"], max(t["peak_bytes"])) for t in split["trials"]
+             if t["through_batch_statistics"]]
+    worse = [k for (_, before), (k, peak) in zip(peaks, peaks[1:])
+             if k & (k - 1) == 0 and peak > before]
+    assert worse, peaks
+    assert result["fits"] and split["applied"], (split["note"], peaks)
+    assert split["slices"] > worse[0], (split["slices"], peaks)
+    assert split["through_batch_statistics"]
+
+
 def test_splitting_is_used_only_when_the_other_mechanisms_do_not_suffice(seed_cnn):
     step, x, y, before = seed_cnn
     # 0.9 x the peak is above the largest op's working set: recomputation suffices.
