@@ -11,7 +11,10 @@
 //  * Factor: k = 2, 3, 4, 6, 8, 12, ... (each power of two, then 1.5 times it; at
 //    most MemoryPlannerOptions::max_split_slices and the batch size), the smallest
 //    first, since every slice runs smaller kernels; a k whose largest (aligned)
-//    slice is no smaller than the last k's is skipped.
+//    slice is no smaller than the last k's is skipped. The search stops at a power
+//    of two no closer to fitting than the plan without splitting or than the k
+//    before it (a plateau), or at the second power of two in a row that does
+//    worse: the allocator model's peak is not monotone in k.
 //  * Batch statistics: the regions first end at every gradient of a mean over the
 //    batch (batch normalization's). Only when no such split fits, and
 //    split_batch_statistics allows it, the search runs again with regions passing
