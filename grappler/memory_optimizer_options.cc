@@ -249,6 +249,7 @@ const std::vector<OptionField>& Fields() {
           }),
       IntField<int64_t>("test_only_hold_bytes", "int64", &O::test_only_hold_bytes, 0,
                         INT64_MAX),
+      BoolField("test_only_keep_merge_cycles", &O::test_only_keep_merge_cycles),
   };
   return *fields;
 }

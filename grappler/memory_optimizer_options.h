@@ -87,6 +87,9 @@ struct MemoryOptimizerOptions {
   // Test-only: bytes a changed graph holds through its step, unpredicted
   // (rewrite/test_only_hold.h); 0 = none.
   int64_t test_only_hold_bytes = 0;
+  // Test-only: skip BreakMergeCycles (rewrite/onednn_merge_guard.h), so that TF
+  // cannot build a rewritten graph that has such a path.
+  bool test_only_keep_merge_cycles = false;
 };
 
 // Fills `options` from a custom optimizer entry. Unknown keys, values of the wrong

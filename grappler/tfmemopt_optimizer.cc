@@ -879,8 +879,10 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     }
     return true;
   };
-  status = stages->Run("merge", [&] {
-    if (!report->graph_changed) return absl::OkStatus();
+  // Then, whichever output that kept: no pair TF merges may have a path between its
+  // two nodes, or TF finds the merged kernel in a cycle after Grappler, where no
+  // fall-back is left (BreakMergeCycles).
+  auto keep_merges = [&]() -> absl::Status {
     const bool fitted = after_built && fits_budgets();
     // Only a plan that fitted may be given back unguarded.
     tensorflow::GraphDef unguarded;
@@ -903,6 +905,19 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     if (!s.ok() || !fitted || fits_budgets()) return s;
     out.kept = false;
     *output = std::move(unguarded);
+    return analyze_output();
+  };
+  status = stages->Run("merge", [&] {
+    if (!report->graph_changed) return absl::OkStatus();
+    absl::Status s = keep_merges();
+    if (!s.ok() || options.test_only_keep_merge_cycles) return s;
+    MergeGuardResult result;
+    s = BreakMergeCycles(item.graph, output, &result);
+    if (!s.ok()) return s;
+    MergeGuardReport& out = report->onednn_merges;
+    out.cycle_edges = result.cycle_edges_moved + result.cycle_edges_removed;
+    out.unmerged.insert(out.unmerged.end(), result.unmerged.begin(), result.unmerged.end());
+    if (out.cycle_edges == 0 && result.unmerged.empty()) return absl::OkStatus();
     return analyze_output();
   });
   if (!status.ok()) return status;

@@ -176,7 +176,7 @@ def test_cpp_accepts_every_valid_field():
         recompute_scopes=["block_3"], max_swapped_tensors=10, swapin_lead_ops=2,
         swapin_lag_ops=8, fuse_swapins=False, assume_trip_count=200, pace_loops=False,
         count_memory_held_outside=False, test_only_hold_bytes=1, allocator_region_bytes=1 << 30,
-        observe_allocator=True, model_inter_op_threads=2,
+        observe_allocator=True, model_inter_op_threads=2, test_only_keep_merge_cycles=True,
     ))
     assert set(entry.parameter_map) == set(tmconfig.schema()) - {"budget_bytes"}
     assert tfmemopt._ext.check_custom_optimizer(entry.SerializeToString()) == ""

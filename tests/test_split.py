@@ -846,3 +846,125 @@ def test_tfmemopt_analyze_shows_the_split(tmp_path):
     assert "slices tried (predicted peak): 2: " in result.stdout
     assert report["devices"][0]["peak_after_bytes"] <= 12 * 2**20
 
+
+
+REPLICATED_STEP = r'''
+import json, sys
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, sys.argv[1])
+import tfmemopt
+from conftest import optimize
+layers = tf.keras.layers
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+rng = np.random.default_rng(0)
+x = rng.random((128, 32, 32, 3), dtype=np.float32)
+y = rng.integers(0, 10, 128)
+
+
+def make():
+    with strategy.scope():
+        tf.keras.utils.set_random_seed(1)
+        model = tf.keras.Sequential([
+            tf.keras.Input((32, 32, 3)), layers.Conv2D(32, 3, activation="relu"),
+            layers.Conv2D(64, 3, activation="relu"), layers.GlobalAveragePooling2D(),
+            layers.Dense(10)])
+        opt = tf.keras.optimizers.SGD(0.1)
+    data = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(64))
+
+    @tf.function
+    def train(batch):
+        def replica(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.keras.losses.sparse_categorical_crossentropy(
+                    yb, model(xb, training=True), from_logits=True)) / 64
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.reduce("SUM", strategy.run(replica, args=batch), axis=None)
+    return train, data
+
+
+def merged_pairs_with_a_path(graph):
+    """Conv2DBackpropFilter + BiasAddGrad pairs that oneDNN's layout pass merges (same
+    gradient, same control inputs) with a path from one to the other."""
+    consumers = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i.lstrip("^").split(":")[0], []).append(n.name)
+    def reaches(a, b):
+        seen, stack = {a}, [a]
+        while stack:
+            for c in consumers.get(stack.pop(), []):
+                if c == b:
+                    return True
+                if c not in seen:
+                    seen.add(c)
+                    stack.append(c)
+        return False
+    control = lambda n: [i for i in n.input if i.startswith("^")]
+    return [(f.name, b.name) for b in graph.node if b.op == "BiasAddGrad"
+            for f in graph.node if f.op == "Conv2DBackpropFilter"
+            and f.input[2] == b.input[0] and control(f) == control(b)
+            and (reaches(b.name, f.name) or reaches(f.name, b.name))]
+
+
+fields = json.loads(sys.argv[2])
+train, data = make()
+plain = [float(train(batch)) for batch in data]
+train, data = make()
+graph, _ = optimize(train, next(iter(data)), budget=4 << 20, **fields)
+device = {n.name: n.device for n in graph.node}
+tfmemopt.enable(budget=4 << 20, log_level=0, **fields)
+mine = [float(train(batch)) for batch in data]
+report = [r for r in tfmemopt.reports() if r.graph_id.startswith("__inference_train")][-1]
+print("RESULT " + json.dumps({
+    "plain": plain, "mine": mine, "devices": report.devices,
+    "graph_changed": report.graph_changed,
+    "as_built": tfmemopt.build_fallback.runs_as_built(),
+    "split": {k: report.split.get(k) for k in ("applied", "batch", "slices")},
+    "merges": report.onednn_merges,
+    "paths": merged_pairs_with_a_path(graph),
+    "barriers_across_devices": [
+        (i, n.name) for n in graph.node if n.name.startswith("TfMemOpt/Split/")
+        for i in n.input if i.startswith("^") and device[i[1:]] != n.device]}))
+'''
+
+
+def test_a_replicated_step_is_split_on_each_device_and_trains():
+    """tf.distribute's replicas on two CPUs, each split in two micro-batches: each
+    replica's slices wait for that replica's barriers only, and no Conv2DBackpropFilter
+    + BiasAddGrad pair that oneDNN merges into one kernel has a path between its nodes
+    (a recompute clone the filter gradient reads, triggered by the bias gradient: TF
+    failed the step with "N nodes in a cycle"). Losses equal training without
+    tfmemopt up to the split's reordered weight-gradient sums."""
+    result = subprocess_result(run_python(REPLICATED_STEP, BENCHMARKS.replace(
+        "benchmarks", "tests"), "{}"))
+    assert result["devices"] == ["CPU:0", "CPU:1"] and result["graph_changed"]
+    assert result["as_built"] == []
+    assert result["split"] == {"applied": True, "batch": 32, "slices": 2}
+    assert result["barriers_across_devices"] == []
+    assert result["paths"] == []
+    assert result["merges"]["cycle_edges"] > 0  # the plan's clone triggers, moved
+    assert result["mine"][0] == result["plain"][0]  # the first step's forward, per sample
+    np.testing.assert_allclose(result["mine"], result["plain"], rtol=1e-6)
+
+
+def test_a_rewritten_graph_tf_cannot_build_runs_as_tf_built_it():
+    """The same replicated step with the merged pairs' paths left in
+    (test_only_keep_merge_cycles): TF finds "N nodes in a cycle" when it builds the
+    rewritten graph, after Grappler, where the pass cannot fall back. The call is made
+    again as TF built the graph (build_fallback.py), with one warning, and trains as
+    without tfmemopt, bit for bit."""
+    proc = run_python(REPLICATED_STEP, BENCHMARKS.replace("benchmarks", "tests"),
+                      json.dumps({"test_only_keep_merge_cycles": True}))
+    result = subprocess_result(proc)
+    assert result["paths"]  # the rewrite TF cannot build
+    assert len(result["as_built"]) == 1 and result["as_built"][0].startswith("__inference_train")
+    warnings = [l for l in proc.stderr.splitlines() if "could not build graph" in l]
+    assert len(warnings) == 1 and "nodes in a cycle" in warnings[0], proc.stderr[-3000:]
+    assert result["mine"] == result["plain"]
+    assert not result["graph_changed"]  # the last report: the graph as TF built it

@@ -259,6 +259,7 @@ std::string MemoryReport::ToJson() const {
       << ",\"edges_removed\":" << onednn_merges.edges_removed
       << ",\"edges_moved\":" << onednn_merges.edges_moved
       << ",\"partner_edges\":" << onednn_merges.partner_edges
+      << ",\"cycle_edges\":" << onednn_merges.cycle_edges
       << ",\"unmerged\":" << QuotedList(onednn_merges.unmerged)
       << "},\"loop_pacing\":{\"values\":" << loop_pacing.values
       << ",\"edges\":" << EdgesJson(loop_pacing.edges)

@@ -228,6 +228,9 @@ struct MergeGuardReport {
   int pairs = 0;
   int edges_shared = 0, edges_removed = 0, edges_moved = 0;
   int partner_edges = 0;  // rivals made to wait for a BiasAddGrad's merge partner
+  // Edges moved or taken back so that no merged pair has a path between its nodes
+  // (rewrite/onednn_merge_guard.h: BreakMergeCycles).
+  int cycle_edges = 0;
   std::vector<std::string> unmerged;
 };
 

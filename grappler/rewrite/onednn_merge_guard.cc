@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <deque>
 #include <memory>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -335,6 +336,74 @@ absl::Status KeepOneDnnMerges(const GraphDef& original, GraphDef* rewritten,
   std::sort(result->unmerged.begin(), result->unmerged.end());
   result->unmerged.erase(std::unique(result->unmerged.begin(), result->unmerged.end()),
                          result->unmerged.end());
+  return absl::OkStatus();
+}
+
+absl::Status BreakMergeCycles(const GraphDef& original, GraphDef* rewritten,
+                              MergeGuardResult* result) {
+  std::set<std::pair<std::string, std::string>> original_edges;  // (waited for, waiting)
+  for (const NodeDef& node : original.node()) {
+    for (const std::string& name : ControlInputs(node)) original_edges.insert({name, node.name()});
+  }
+  // Each round breaks the paths of one pair; a pair with a path left is kept apart,
+  // so the rounds end.
+  for (int round = 0; round <= rewritten->node_size(); ++round) {
+    const GraphIndex index(*rewritten);
+    bool edited = false;
+    for (const MergePair& pair : MergeablePairs(*rewritten)) {
+      if (pair.first_feeds_second) continue;  // the first node's one out-edge: no path
+      const int filter = index.Find(pair.first), bias = index.Find(pair.second);
+      const int gradient = index.Find(ParseTensor(index.node(bias).input(0)).first);
+      for (const auto& [from, to] : {std::make_pair(bias, filter), std::make_pair(filter, bias)}) {
+        const std::unordered_set<int> after = index.Descendants({from});
+        if (!after.count(to)) continue;
+        const std::unordered_set<int> before = index.Ancestors(to);
+        // Nodes on a path, in GraphDef order (the edits do not depend on hashing).
+        for (int n = 0; n < rewritten->node_size(); ++n) {
+          if (n == from || !after.count(n) || !before.count(n)) continue;
+          NodeDef* node = rewritten->mutable_node(n);
+          const std::vector<std::string> control = ControlInputs(*node);
+          std::vector<std::string> kept;
+          for (const std::string& name : control) {
+            const int source = index.Find(name);
+            if (source < 0 || !after.count(source) ||
+                original_edges.count({name, node->name()})) {
+              kept.push_back(name);
+              continue;
+            }
+            if (source == bias && gradient >= 0) {
+              const std::string& moved = index.node(gradient).name();
+              if (std::find(control.begin(), control.end(), moved) == control.end() &&
+                  std::find(kept.begin(), kept.end(), moved) == kept.end()) {
+                kept.push_back(moved);
+              }
+              ++result->cycle_edges_moved;
+            } else {
+              ++result->cycle_edges_removed;
+            }
+          }
+          if (kept != control) {
+            SetControlInputs(node, kept);
+            edited = true;
+          }
+        }
+        if (!edited && gradient >= 0) {
+          // No edge of the pass's on the path: the pair runs as two kernels (the
+          // merge condition is equal control inputs; the gradient is read anyway).
+          std::vector<std::string> control = ControlInputs(index.node(bias));
+          control.push_back(index.node(gradient).name());
+          SetControlInputs(rewritten->mutable_node(bias), control);
+          result->unmerged.push_back(
+              absl::StrCat(pair.first, " + ", pair.second, " (a path between them)"));
+          edited = true;
+        }
+        if (edited) break;
+      }
+      if (edited) break;  // the index is stale
+    }
+    if (!edited) break;
+  }
+  std::sort(result->unmerged.begin(), result->unmerged.end());
   return absl::OkStatus();
 }
 

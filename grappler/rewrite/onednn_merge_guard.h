@@ -42,11 +42,27 @@ struct MergeGuardResult {
   int edges_removed = 0;      // control inputs taken back from a pair
   int edges_moved = 0;        // control out-edges moved from a first node to the second
   int partner_edges = 0;      // rivals made to wait for a BiasAddGrad's merge partner
+  int cycle_edges_moved = 0;    // BreakMergeCycles: edges moved to the pair's gradient
+  int cycle_edges_removed = 0;  // BreakMergeCycles: edges taken back
   std::vector<std::string> unmerged;  // pairs left unmerged by an added data edge
 };
 
 // Edits `rewritten` (the pass's output for `original`) as described above.
 absl::Status KeepOneDnnMerges(const tensorflow::GraphDef& original,
+                              tensorflow::GraphDef* rewritten, MergeGuardResult* result);
+
+// A pair the layout pass merges becomes one kernel, so a path from one of its nodes
+// to the other in `rewritten` is a cycle in the graph TF runs ("N nodes in a
+// cycle", after Grappler, where the pass can no longer fall back). The pass's own
+// edges can make one between a Conv2DBackpropFilter and its BiasAddGrad: a
+// recompute clone that the filter gradient reads, triggered by the bias gradient
+// (both slices of a split, whose pairs the original graph does not name). This
+// finds the pairs of `rewritten` itself and breaks every such path: a control edge
+// from the BiasAddGrad that the original graph lacks starts at the gradient both
+// nodes read instead (the waiting node still runs after the gradient); any other
+// control edge on the path that the original lacks is taken back; and a path left
+// (none is known) keeps the pair apart, listed in `unmerged`.
+absl::Status BreakMergeCycles(const tensorflow::GraphDef& original,
                               tensorflow::GraphDef* rewritten, MergeGuardResult* result);
 
 }  // namespace tfmemopt

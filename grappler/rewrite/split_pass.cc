@@ -180,11 +180,28 @@ class SplitBuilder {
     for (int q : region_) stage_[q] = dense[exits[q]];
     summary_->stages = static_cast<int>(dense.size());
     // Entries (no predecessor in the same stage) and sinks (no successor there).
+    // Barriers are per stage and device: the slices of a replicated step's replicas
+    // (tf.distribute, one replica per device) chain on their own devices. One barrier
+    // for all would make each replica's next slice wait for every replica's slice
+    // (the replicas, which run side by side, in step), through control edges that TF
+    // sends between the devices as _Send/_Recv pairs.
+    std::vector<std::string> devices;
+    for (int q : region_) devices.push_back(node(q).def->device());
+    std::sort(devices.begin(), devices.end());
+    devices.erase(std::unique(devices.begin(), devices.end()), devices.end());
+    const int num_devices = static_cast<int>(devices.size());
+    group_.assign(n, -1);
+    for (int q : region_) {
+      const int device = static_cast<int>(
+          std::lower_bound(devices.begin(), devices.end(), node(q).def->device()) -
+          devices.begin());
+      group_[q] = stage_[q] * num_devices + device;
+    }
     entry_.assign(n, true);
     sink_.assign(n, true);
     for (int q : region_) {
       auto link = [&](int u) {
-        if (in_region_[u] && stage_[u] == stage_[q]) {
+        if (in_region_[u] && group_[u] == group_[q]) {
           entry_[q] = false;
           sink_[u] = false;
         }
@@ -192,9 +209,9 @@ class SplitBuilder {
       for (int t : node(q).inputs) link(producer(t));
       for (int u : node(q).control_inputs) link(u);
     }
-    stage_first_.assign(dense.size(), -1);
+    group_first_.assign(dense.size() * num_devices, -1);
     for (int q : region_) {
-      if (stage_first_[stage_[q]] < 0) stage_first_[stage_[q]] = q;
+      if (group_first_[group_[q]] < 0) group_first_[group_[q]] = q;
     }
   }
 
@@ -263,8 +280,10 @@ class SplitBuilder {
   std::string SliceName(int q, int i) const {
     return absl::StrCat(kSplitScope, name(q), "/slice_", i);
   }
-  std::string DoneName(int stage, int i) const {
-    return absl::StrCat(kSplitScope, name(stage_first_[stage]), "/done_", stage, "_", i);
+  // The barrier after slice `i` of a barrier group (a stage on one device).
+  std::string DoneName(int group, int i) const {
+    const int first = group_first_[group];
+    return absl::StrCat(kSplitScope, name(first), "/done_", stage_[first], "_", i);
   }
 
   // The tensor an outside reader (or a whole input of a slice) reads instead of `t`.
@@ -346,11 +365,11 @@ class SplitBuilder {
           def->add_input(TensorRef(SliceName(p, i), table_.tensors[t].port));
         } else {
           def->add_input(CutName(t, i));
-          auto it = cut_stage_.find({t, i});
-          if (it == cut_stage_.end()) {
-            cut_stage_[{t, i}] = stage_[q];
+          auto it = cut_group_.find({t, i});
+          if (it == cut_group_.end()) {
+            cut_group_[{t, i}] = group_[q];
           } else {
-            it->second = std::min(it->second, stage_[q]);
+            it->second = std::min(it->second, group_[q]);
           }
           cut_device_.emplace(t, node(q).def->device());
         }
@@ -386,7 +405,7 @@ class SplitBuilder {
         ControlFor(u, &deps);
       }
     }
-    if (entry_[q] && i > 0) deps.push_back(absl::StrCat("^", DoneName(stage_[q], i - 1)));
+    if (entry_[q] && i > 0) deps.push_back(absl::StrCat("^", DoneName(group_[q], i - 1)));
     AddControls(deps, def);
     return absl::OkStatus();
   }
@@ -398,7 +417,7 @@ class SplitBuilder {
   void EmitCuts() {
     std::vector<int64_t> begin(rows_.size(), 0);
     for (size_t i = 1; i < rows_.size(); ++i) begin[i] = begin[i - 1] + rows_[i - 1];
-    for (const auto& [key, stage] : cut_stage_) {
+    for (const auto& [key, group] : cut_group_) {
       const auto [t, i] = key;
       const std::string cut = CutName(t, i);
       const std::string& device = cut_device_.at(t);
@@ -416,13 +435,13 @@ class SplitBuilder {
       slice.add_input(OutsideRef(t));
       slice.add_input(cut + "/begin");
       slice.add_input(cut + "/size");
-      if (i > 0) slice.add_input(absl::StrCat("^", DoneName(stage, i - 1)));
+      if (i > 0) slice.add_input(absl::StrCat("^", DoneName(group, i - 1)));
       (*slice.mutable_attr())["T"].set_type(table_.tensors[t].dtype);
       (*slice.mutable_attr())["Index"].set_type(tensorflow::DT_INT32);
       extra_.push_back(std::move(slice));
     }
     std::set<int> tensors;
-    for (const auto& [key, stage] : cut_stage_) tensors.insert(key.first);
+    for (const auto& [key, group] : cut_group_) tensors.insert(key.first);
     summary_->cuts = static_cast<int>(tensors.size());
   }
 
@@ -467,14 +486,15 @@ class SplitBuilder {
   }
 
   void EmitBarriers() {
-    for (int s = 0; s < summary_->stages; ++s) {
+    for (int g = 0; g < static_cast<int>(group_first_.size()); ++g) {
+      if (group_first_[g] < 0) continue;  // no region op of this stage on the device
       for (int i = 0; i + 1 < k_; ++i) {
         NodeDef done;
-        done.set_name(DoneName(s, i));
+        done.set_name(DoneName(g, i));
         done.set_op("NoOp");
+        done.set_device(node(group_first_[g]).def->device());
         for (int q : region_) {
-          if (stage_[q] != s || !sink_[q] || MergedIntoLaterStage(q)) continue;
-          if (done.device().empty()) done.set_device(node(q).def->device());
+          if (group_[q] != g || !sink_[q] || MergedIntoLaterStage(q)) continue;
           done.add_input(absl::StrCat("^", SliceName(q, i)));
         }
         extra_.push_back(std::move(done));
@@ -508,11 +528,13 @@ class SplitBuilder {
   const int k_;
   std::vector<int64_t> rows_;
   std::vector<bool> in_region_, entry_, sink_, replaced_;
-  std::vector<int> region_, stage_, stage_first_;
+  std::vector<int> region_, stage_;
+  std::vector<int> group_;        // barrier group of a region node: stage * devices + device
+  std::vector<int> group_first_;  // group -> its first region node (-1: none)
   int num_replaced_ = 0;
   std::map<int, std::string> replacement_;  // tensor -> constant standing for it
   std::set<int> joined_;                    // region tensors read outside
-  std::map<std::pair<int, int>, int> cut_stage_;  // (tensor, slice) -> earliest stage
+  std::map<std::pair<int, int>, int> cut_group_;  // (tensor, slice) -> earliest group
   std::map<int, std::string> cut_device_;
   std::vector<NodeDef> extra_;
 };

@@ -20,7 +20,8 @@ from tfmemopt._loader import load_extension as _load_extension
 
 _ext = _load_extension()
 
-from tfmemopt import _eager_context, _keras_hook, function_guard, memory_pool  # noqa: E402
+from tfmemopt import _eager_context, _keras_hook, build_fallback  # noqa: E402
+from tfmemopt import function_guard, memory_pool  # noqa: E402
 from tfmemopt.config import (  # noqa: E402
     MEMORY_OPTIMIZATION_LEVELS,
     PASS_NAME,
@@ -40,6 +41,7 @@ from tfmemopt.explanation import Explanation, explain, install as _install_obser
 from tfmemopt.retry import Function, function  # noqa: E402
 
 _install_observers()
+build_fallback.install()
 
 __version__ = "0.1.0"
 

@@ -156,6 +156,7 @@ _call_observer = None     # observer(atomic_function), on eager calls of graph f
 _session_observer = None  # observer(config_proto or None), when a Session is created
 _eager_run_observer = None  # observer(tf.function), when a tf.function runs eagerly
 _oom_observer = None  # observer(atomic_function, error), when a call runs out of memory
+_build_handler = None  # build_fallback.py: graphs TF could not build as the pass rewrote them
 # handler(atomic_function, args) -> outputs: makes the eager calls of graph functions
 # outside retrying_calls (function_guard.py, under tfmemopt.enable()); None: TF's call.
 _call_handler = None
@@ -179,13 +180,27 @@ def _call_flat(self, *args):
 
 def call_unhandled(function, args):
     """Calls the graph function as TF does; an out-of-memory error is told to the
-    observer (unless a wrapper handles it: retrying_calls) and raised."""
-    try:
-        return _original_call_flat(function, *args)
-    except _errors.ResourceExhaustedError as error:
-        if not getattr(_retrying, "depth", 0):
-            tell_out_of_memory(function, error)
-        raise
+    observer (unless a wrapper handles it: retrying_calls) and raised. A function
+    whose rewritten graph TF could not build is called as TF built it
+    (build_fallback.py)."""
+    handler = _build_handler
+    context = handler(function, None) if handler is not None else None
+    while True:
+        try:
+            if context is None:
+                return _original_call_flat(function, *args)
+            with context:
+                return _original_call_flat(function, *args)
+        except _errors.ResourceExhaustedError as error:
+            if not getattr(_retrying, "depth", 0):
+                tell_out_of_memory(function, error)
+            raise
+        except _errors.InvalidArgumentError as error:
+            if handler is None or context is not None:
+                raise
+            context = handler(function, error)
+            if context is None:
+                raise
 
 
 def tell_out_of_memory(function, error):
@@ -232,6 +247,14 @@ def _session_init(self, target="", graph=None, config=None):
 _atomic.AtomicFunction.call_flat = _call_flat
 _polymorphic.Function._run_functions_eagerly = property(_functions_run_eagerly)
 _session.BaseSession.__init__ = _session_init
+
+
+def set_build_handler(handler):
+    """Installs handler(atomic_function, error or None) -> a context to make the call
+    in, or None (build_fallback.py): asked before each call, and after a call that
+    failed with an InvalidArgumentError."""
+    global _build_handler
+    _build_handler = handler
 
 
 def set_call_handler(handler):

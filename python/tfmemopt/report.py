@@ -133,8 +133,9 @@ class Report:
     edges that break them, which it then keeps: those pairs' gradients sum in another
     order), pairs, edges_shared, edges_removed, edges_moved, partner_edges (other
     Conv2DBackpropFilter nodes of a gradient made to wait for its BiasAddGrad's merge
-    partner), and unmerged, the pairs a swap or a clone reading the first node leaves
-    unmerged),
+    partner), cycle_edges (edges moved or taken back so that no merged pair has a path
+    between its two nodes, which TF would find as a cycle), and unmerged, the pairs a
+    swap or a clone reading the first node leaves unmerged),
     loop_pacing (values a loop would compute up to parallel_iterations iterations ahead
     of the carried value they are combined with, such as a recurrent layer's input
     projection and the terms of its weight gradients' sums, made to wait for that value:
