@@ -163,6 +163,39 @@ def test_a_tf_data_fit_whose_plan_needs_a_split_runs_on_the_batches_own_shapes(c
     assert all(np.isfinite(history.history["loss"]))
 
 
+def test_a_fit_of_several_steps_per_execution_whose_plan_misses_runs_one_batch_at_a_time(
+        caplog):
+    # Keras runs steps_per_execution steps in a while loop, whose ops the pass never
+    # swaps, recomputes or splits: the plan of that graph cannot lower its peak. The
+    # next steps run one batch at a time (one_step_on_data), which can be split, and
+    # the warning names the loop, not the batch size.
+    caplog.set_level(logging.INFO, logger="tensorflow")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8 * 64, 32, 32, 3)).astype(np.float32)
+    y = rng.integers(0, 10, 8 * 64)
+
+    def model():
+        made = small_cnn()
+        made.compile(keras.optimizers.SGD(0.01),
+                     keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                     steps_per_execution=4)
+        return made
+    probe = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)
+    model().fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False, callbacks=[probe])
+    before = probe.report.predicted_peak_bytes["before"]["CPU:0"]
+    callback = MemoryOptimizer(budget=int(0.3 * before), log_level=0)
+    history = model().fit(x, y, batch_size=64, epochs=2, verbose=0, shuffle=False,
+                          callbacks=[callback])
+    first, last = callback.reports[0], callback.reports[-1]
+    assert "multi_step_on_iterator" in first.graph_id and first.fits is False
+    assert "steps_per_execution=4 times in a loop" in caplog.text
+    assert "static batch size" not in caplog.text
+    assert "one_step_on_data" in last.graph_id
+    assert last.split["applied"] and last.split["slices"] >= 2
+    assert last.predicted_peak_bytes["after"]["CPU:0"] < first.predicted_peak_bytes["after"]["CPU:0"]
+    assert all(np.isfinite(history.history["loss"]))
+
+
 def test_assume_batch_size_comes_from_the_batch_size_of_fit(caplog):
     caplog.set_level(logging.INFO, logger="tensorflow")
     callback = MemoryOptimizer(mode="ANALYZE_ONLY", log_level=0)

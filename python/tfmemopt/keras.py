@@ -451,7 +451,8 @@ class MemoryOptimizer(keras.callbacks.Callback):
         """Whether the guarded steps now run the batches on their own shapes: the plan
         of the graph Keras traced for the fit's iterator misses its budget, and the
         split it would need is not possible there, since that graph's batch size is
-        not static (a tf.data pipeline's batch dimension is unknown). The step traced
+        not static (a tf.data pipeline's batch dimension is unknown) or the step runs in
+        Keras's loop of steps_per_execution steps. The step traced
         on the batches' shapes can be split; it is another graph than fit without
         tfmemopt runs, so its losses may differ in the last bits (as a split's do)."""
         split = report.split
@@ -465,12 +466,17 @@ class MemoryOptimizer(keras.callbacks.Callback):
         # batches through the trace it has, of an unknown batch size.
         self._retrace()
         # A warning, as a split's is: the user learns that the last bits may change.
+        steps = self._steps_per_execution()
+        reason = (
+            f"Keras runs it steps_per_execution={steps} times in a loop, whose ops "
+            "tfmemopt neither swaps, recomputes nor splits" if steps > 1 else
+            "splitting it along the batch needs a static batch size, which the step "
+            "Keras traced for the data does not have")
         _logger().warning(
-            "tfmemopt: the plan of this fit's train step misses its budget and splitting "
-            "it along the batch needs a static batch size, which the step Keras traced "
-            "for the data does not have: the next steps run on the batches' own shapes "
-            "(a graph of its own; its losses may differ from fit without tfmemopt in the "
-            "last bits).")
+            "tfmemopt: the plan of this fit's train step misses its budget and %s: the "
+            "next steps run one batch at a time, on the batches' own shapes (a graph of "
+            "its own; its losses may differ from fit without tfmemopt in the last bits).",
+            reason)
         return True
 
     def _retrace(self):
