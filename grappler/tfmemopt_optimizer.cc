@@ -557,8 +557,14 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
           std::min(options.allocator_region_bytes / std::max(1, device.memory_shared_by),
                    device.memory_bytes);
       // The pool the step will use, as it is now: only where this device alone uses
-      // it (logical CPUs share one pool) and its limit is the device's memory.
-      if (options.observe_allocator && device.memory_shared_by == 1 &&
+      // it (logical CPUs share one pool) and its limit is the device's memory. Read
+      // with observe_allocator, and always for a Session whose initializer the pass
+      // saw: its variables were made in that process by a graph that ran before this
+      // one, and the pool holds them as they are (with the regions its initial
+      // values' temporaries grew), where a replay of graph order misses those.
+      const bool observe =
+          options.observe_allocator || table.variables_made_by_recorded_initializer;
+      if (observe && device.memory_shared_by == 1 &&
           device.memory_source == "TF_CPU_BFC_MEM_LIMIT_IN_MB") {
         device.observed_pool = ReadBfcPool(DeviceAllocator(cluster, device.device));
         for (const PoolChunk& chunk : device.observed_pool) {
