@@ -885,9 +885,6 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     }
     return true;
   };
-  // Then, whichever output that kept: no pair TF merges may have a path between its
-  // two nodes, or TF finds the merged kernel in a cycle after Grappler, where no
-  // fall-back is left (BreakMergeCycles).
   auto keep_merges = [&]() -> absl::Status {
     const bool fitted = after_built && fits_budgets();
     // Only a plan that fitted may be given back unguarded.
@@ -913,6 +910,9 @@ absl::Status RunPipeline(const MemoryOptimizerOptions& options, Cluster* cluster
     *output = std::move(unguarded);
     return analyze_output();
   };
+  // Then, whichever output that kept: no pair TF merges may have a path between its
+  // two nodes, or TF finds the merged kernel in a cycle after Grappler, where no
+  // fall-back is left (BreakMergeCycles).
   status = stages->Run("merge", [&] {
     if (!report->graph_changed) return absl::OkStatus();
     absl::Status s = keep_merges();

@@ -25,7 +25,7 @@ import threading
 
 import tensorflow as tf
 
-from tfmemopt import _eager_context
+from tfmemopt import _eager_context, feedback
 
 # What TF says when it cannot build a graph (graph_constructor.cc, executor.cc).
 BUILD_ERRORS = ("nodes in a cycle",)
@@ -40,17 +40,12 @@ def runs_as_built():
         return sorted(_as_built)
 
 
-def _changed_by_the_pass(name):
-    import tfmemopt
-
-    mine = [r for r in tfmemopt.reports() if r.graph_id == name]
-    return bool(mine) and mine[-1].graph_changed
-
-
 def _handle(function, error):
     """The context to make `function`'s call in (None: TF's own config): before a
     call (`error` None), for a function that runs as TF built it; after a call that
     failed with `error`, when the pass's rewrite is what TF could not build."""
+    if error is None and not _as_built:
+        return None  # every call asks: the common answer costs no lock or import
     import tfmemopt
     from tfmemopt.retry import budget_edit
 
@@ -66,7 +61,8 @@ def _handle(function, error):
         message = str(getattr(error, "message", error))
         if not any(words in message for words in BUILD_ERRORS):
             return None
-        if not _changed_by_the_pass(name):
+        report = feedback.planned_report(name)
+        if report is None or not report.graph_changed:
             return None
         with _lock:
             _as_built.add(name)
