@@ -26,13 +26,23 @@ measured peak moves by more than the acceptance margin from step to step) are
 measured with default threads and with one inter-op thread, and reported apart:
 they do not count in max_abs_error.
 
+A plain step whose peak is set per process (its --runs processes' peaks spread wider
+than --margin allows one prediction: highest / lowest > (1 + margin) / (1 - margin))
+has no single figure to predict. Its unplanned row is then reported with its groups
+of processes (from the lowest peak up, each as wide as one prediction can cover),
+the prediction's error against each group's median beside the overall one, and it does
+not count in max_abs_error_unplanned; its planned row still counts, since a plan
+pins the executor's order where the sampled orders differ (docs/accuracy.md).
+
 Usage: python benchmarks/peak_accuracy.py [--models NAME ...] [--inter-op N]
            [--budget-ratio R] [--no-planned] [--warmup N] [--steps N] [--runs N]
            [--reserve-memory] [--json]
 With --json, the last line of stdout is one JSON object:
 {"models": {name: {"unplanned": M, "planned": M}}, "apart": {name: {"default":
 {"unplanned": M, "planned": M}, "inter_op_1": {...}}}, "max_abs_error",
-"max_abs_error_unplanned", "max_abs_error_planned", "inter_op", ...}, where each
+"max_abs_error_unplanned", "max_abs_error_planned", "set_per_process": {name:
+{"predicted", "groups": [[bytes, ...], [...]], "medians", "errors"}}, "margin",
+"inter_op", ...}, where each
 M is {"predicted", "measured", "error", "runs", "step_peaks", "in_use_before"
 (bytes in use before the first step, per run), "budget", "fits",
 "nodes"}.
@@ -136,6 +146,20 @@ def run_model(name, inter_op=0, warmup=2, steps=5, runs=3, budget=0, reserve=Fal
     }
 
 
+def groups_set_per_process(peaks, margin):
+    """None when one prediction can be within `margin` of every process's peak; else
+    the peaks (sorted) in groups, each the longest run from its lowest peak that one
+    prediction can be within `margin` of (highest / lowest <= (1 + m) / (1 - m))."""
+    peaks, widest = sorted(peaks), (1 + margin) / (1 - margin)
+    groups = []
+    for peak in peaks:
+        if groups and peak <= groups[-1][0] * widest:
+            groups[-1].append(peak)
+        else:
+            groups.append([peak])
+    return groups if len(groups) > 1 else None
+
+
 def measure(name, inter_op, args):
     """{"unplanned": ..., "planned": ...} for one model at one thread setting."""
     reserve = args.reserve_memory
@@ -176,9 +200,12 @@ def main():
     parser.add_argument("--fields", type=json.loads, default={},
                         help="more tfmemopt.enable() fields, as JSON (e.g. "
                              "'{\"observe_allocator\": true}')")
+    parser.add_argument("--margin", type=float, default=0.08,
+                        help="acceptance margin: an unplanned step whose processes' peaks "
+                             "no one prediction is within this of is reported per process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results, apart = {}, {}
+    results, apart, per_process = {}, {}, {}
     print(f"{'model':<22} | {'kind':<9} | {'budget':>7} | {'predicted':>9} | {'measured':>9} | "
           f"{'error %':>7} | runs (MiB)", flush=True)
     for name in args.models:
@@ -192,9 +219,21 @@ def main():
         results[name] = measure(name, args.inter_op, args)
         for kind, r in results[name].items():
             print(_row(name, kind, r), flush=True)
+        unplanned = results[name]["unplanned"]
+        groups = groups_set_per_process(unplanned["runs"], args.margin)
+        if groups:
+            medians = [int(statistics.median_low(g)) for g in groups]
+            per_process[name] = {
+                "predicted": unplanned["predicted"], "groups": groups, "medians": medians,
+                "errors": [(unplanned["predicted"] - m) / m for m in medians]}
+            print(f"{name}: plain step's peak set per process: "
+                  + "; ".join(f"{len(g)} at {m / 2**20:.1f} MiB ({e * 100:+.1f} %)" for g, m, e
+                              in zip(groups, medians, per_process[name]["errors"]))
+                  + " (unplanned not counted)", flush=True)
 
     def worst(kind):
-        errors = [abs(r[kind]["error"]) for r in results.values() if kind in r]
+        errors = [abs(r[kind]["error"]) for n, r in results.items()
+                  if kind in r and not (kind == "unplanned" and n in per_process)]
         return max(errors) if errors else None
 
     keys = ("predicted", "predicted_before", "measured", "error", "runs", "step_peaks",
@@ -205,6 +244,8 @@ def main():
         "apart": {n: {label: slim(m) for label, m in by.items()} for n, by in apart.items()},
         "max_abs_error_unplanned": worst("unplanned"),
         "max_abs_error_planned": worst("planned"),
+        "set_per_process": per_process,
+        "margin": args.margin,
         "inter_op": args.inter_op,
         "reserve_memory": args.reserve_memory,
         "budget_ratio": args.budget_ratio if args.planned else None,
@@ -217,7 +258,8 @@ def main():
         if e is not None)
     print(f"max_abs_error {summary['max_abs_error']:.3f} (unplanned "
           f"{summary['max_abs_error_unplanned']}, planned {summary['max_abs_error_planned']}) "
-          f"over {len(results)} models; apart: {', '.join(apart) or 'none'}", flush=True)
+          f"over {len(results)} models; apart: {', '.join(apart) or 'none'}; unplanned peak set "
+          f"per process: {', '.join(per_process) or 'none'}", flush=True)
     if args.json:
         print(json.dumps(summary))
 

@@ -108,7 +108,17 @@ def peak_accuracy(record):
             rows.append(_accuracy_row(f"{name} ({setting.replace('_', ' ')})", m))
     header = ["model", "predicted", "measured", "error", "planned: budget", "says it fits",
               "predicted", "measured", "error"]
-    return table(header, rows) + [
+    per_process = r.get("set_per_process", {})
+    lines = table(header, rows)
+    for name, g in per_process.items():
+        groups = "; ".join(
+            f"{', '.join(f'{b / 2**20:.1f}' for b in group)} MiB ({pct(e)})"
+            for group, e in zip(g["groups"], g["errors"]))
+        lines += ["", f"{name}'s plain step peaked in groups set per process, no one figure "
+                      f"within {r.get('margin', 0.08) * 100:.0f} % of all: predicted "
+                      f"{mib(g['predicted'])}; processes {groups} (error against each "
+                      f"group's median). Its unplanned row is not counted below."]
+    return lines + [
         "", f"Largest error with TF's default threads: unplanned "
             f"{pct(r.get('max_abs_error_unplanned'), False)}, planned "
             f"{pct(r.get('max_abs_error_planned'), False)}."]
