@@ -12,7 +12,7 @@ import tfmemopt
 from tfmemopt import _eager_context
 from conftest import (
     BATCH, CLASSES, FEATURES, HIDDEN, build_v1_mlp_train_op, capped_allocator_env, mlp_batch,
-    reports_for, run_mlp_steps, run_python,
+    make_mlp_train_step, mlp_variables, reports_for, run_mlp_steps, run_python,
 )
 
 STEP = "__inference_train_step"
@@ -128,9 +128,11 @@ def test_unknown_batch_dimension_is_resolved_by_assume_batch_size():
     tfmemopt.enable("1GiB")
     run_mlp_steps(steps=1)
     (known,) = reports_for(STEP)
-    tfmemopt.clear_reports()
-    run_mlp_steps(steps=1, input_signature=signature)
-    (unknown,) = reports_for(STEP)
+    # Planned without a call (nothing tells the batch), the unknown dimension stays
+    # unknown and the report says what resolves it.
+    variables = mlp_variables()
+    step = make_mlp_train_step(variables, input_signature=signature)
+    unknown = tfmemopt.analyze(step, *mlp_batch(), budget="1GiB", log_level=0)
     assert unknown.unresolved_tensors > 0
     assert "assume_batch_size" in unknown.to_text()
     tfmemopt.clear_reports()
@@ -142,6 +144,25 @@ def test_unknown_batch_dimension_is_resolved_by_assume_batch_size():
     # The dynamic-shape graph has a few extra shape ops (tens of bytes), otherwise
     # the same tensors.
     assert resolved.predicted_peak_bytes["before"]["CPU:0"] == pytest.approx(
+        known.predicted_peak_bytes["before"]["CPU:0"], rel=1e-3)
+
+
+def test_a_call_tells_the_unknown_batch_that_the_config_does_not():
+    # Under enable() without assume_batch_size, the eager call gives the pass the batch
+    # of its inputs (tfmemopt.call_batch): sized as with the batch in the signature.
+    signature = [
+        tf.TensorSpec([None, FEATURES], tf.float32),
+        tf.TensorSpec([None], tf.int32),
+    ]
+    tfmemopt.enable("1GiB")
+    run_mlp_steps(steps=1)
+    (known,) = reports_for(STEP)
+    tfmemopt.clear_reports()
+    run_mlp_steps(steps=1, input_signature=signature)
+    (called,) = reports_for(STEP)
+    assert called.unresolved_tensors == 0
+    assert called.to_dict()["assume_batch_size"] == BATCH
+    assert called.predicted_peak_bytes["before"]["CPU:0"] == pytest.approx(
         known.predicted_peak_bytes["before"]["CPU:0"], rel=1e-3)
 
 

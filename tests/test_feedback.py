@@ -38,16 +38,22 @@ sys.path.insert(0, sys.argv[1])
 from conftest import chain_mlp
 mode = sys.argv[2]
 step, x, ws = chain_mlp(depth=24)
-if mode in ("plain_step", "plain_step_unknown_batch"):
+if mode in ("plain_step", "plain_step_unknown_batch", "plain_step_untold_batch"):
     # enable(function_retries=0), a plain tf.function: nothing retries the step.
     hog = tf.fill([int(sys.argv[4]) << 18], 1.0)
     tfmemopt.enable(budget=int(sys.argv[3]), function_retries=0, enable_split=False,
                     log_level=0)
-    if mode == "plain_step_unknown_batch":
+    args = (x,)
+    if mode == "plain_step_unknown_batch":  # the call tells the batch (call_batch.py)
         step = tf.function(step.python_function, input_signature=[tf.TensorSpec([None, 256])])
+    if mode == "plain_step_untold_batch":  # inputs that disagree on it tell none
+        body = step.python_function
+        step = tf.function(lambda x, other: body(x), input_signature=[
+            tf.TensorSpec([None, 256]), tf.TensorSpec([None])])
+        args = (x, tf.zeros([3]))
     try:
         for _ in range(2):
-            step(x)
+            step(*args)
         print("RESULT " + json.dumps({"out_of_memory": False}))
     except tf.errors.ResourceExhaustedError:
         print("RESULT " + json.dumps({"out_of_memory": True}))
@@ -324,10 +330,23 @@ def test_a_planned_step_that_runs_out_of_memory_without_a_wrapper_says_what_help
     assert 0 < suggested < FIRST_BUDGET
 
 
-def test_a_step_planned_on_unknown_sizes_that_runs_out_of_memory_asks_for_the_batch_size():
-    # Traced with an unknown batch, the plan counts each activation as one element:
-    # a lower budget would mean nothing, the batch size does.
+def test_a_step_traced_on_an_unknown_batch_is_planned_for_the_batch_its_call_gives():
+    # The call's input tells the batch: planned as the step of known batch is, its
+    # out-of-memory hint names a lower budget, not the batch size.
     result, log = _result(run_python(_CUSTOM_LOOP, TESTS, "plain_step_unknown_batch",
+                                     FIRST_BUDGET, HOG_MB, env=_capped(CAP_MB)))
+    assert result["out_of_memory"]
+    (line,) = [l for l in log.splitlines() if "although tfmemopt planned it" in l]
+    assert "its plan fits the budget" in line and "budget 32.4 MiB" in line
+    assert "unknown dimensions" not in line
+    assert 0 < int(re.search(r"budget=(\d+)", line).group(1)) < FIRST_BUDGET
+
+
+def test_a_step_planned_on_unknown_sizes_that_runs_out_of_memory_asks_for_the_batch_size():
+    # Traced with an unknown batch that its inputs do not tell (they disagree on their
+    # leading dimension), the plan counts each activation as one element: a lower
+    # budget would mean nothing, the batch size does.
+    result, log = _result(run_python(_CUSTOM_LOOP, TESTS, "plain_step_untold_batch",
                                      FIRST_BUDGET, HOG_MB, env=_capped(CAP_MB)))
     assert result["out_of_memory"]
     (line,) = [l for l in log.splitlines() if "although tfmemopt planned it" in l]

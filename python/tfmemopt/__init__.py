@@ -20,7 +20,7 @@ from tfmemopt._loader import load_extension as _load_extension
 
 _ext = _load_extension()
 
-from tfmemopt import _eager_context, _keras_hook, build_fallback  # noqa: E402
+from tfmemopt import _eager_context, _keras_hook, build_fallback, call_batch  # noqa: E402
 from tfmemopt import function_guard, memory_pool  # noqa: E402
 from tfmemopt.config import (  # noqa: E402
     MEMORY_OPTIMIZATION_LEVELS,

@@ -37,13 +37,20 @@ _thread_override = threading.local()
 _original_options_property = _context.Context.function_call_options
 
 
-def _apply_edits(options, override=None):
+# One last edit for the calling thread's current graph-function call (call_config_edit),
+# after the override: what only the call's inputs tell (call_batch.py).
+_thread_call_edit = threading.local()
+
+
+def _apply_edits(options, override=None, call_edit=None):
     with _edits_lock:
         edits = list(_edits.values())
+    if not edits and override is None:
+        return  # no tfmemopt entry for a call edit to complete
     if override is not None:
         edits.append(override)
-    if not edits:
-        return
+    if call_edit is not None:
+        edits.append(call_edit)
     config = config_pb2.ConfigProto.FromString(options.config_proto_serialized)
     for edit in edits:
         edit(config)
@@ -77,13 +84,14 @@ def _function_call_options(self):
         hand_over_function_bodies(self)
         data = self._thread_local_data
         override = getattr(_thread_override, "edit", None)
-        state = (_generation, getattr(_thread_override, "serial", 0))
+        call_key, call_edit = getattr(_thread_call_edit, "value", (None, None))
+        state = (_generation, getattr(_thread_override, "serial", 0), call_key)
         if getattr(_thread_generation, "value", None) != state:
             data.function_call_options = None
             _thread_generation.value = state
         if data.function_call_options is None:
             options = _original_options_property.fget(self)
-            _apply_edits(options, override)
+            _apply_edits(options, override, call_edit)
             return options
     return _original_options_property.fget(self)
 
@@ -131,6 +139,26 @@ class thread_config_edit:
         return False
 
 
+class call_config_edit:
+    """Within this context, the calling thread's graph functions are built with
+    `edit(config_proto)` applied after every other edit; `key` (hashable) names the
+    edit, so that calls under equal keys share their built config (and TF its
+    instantiation of a function). Restores the previous call edit on exit."""
+
+    def __init__(self, key, edit):
+        self._value = (key, edit)
+        self._saved = (None, None)
+
+    def __enter__(self):
+        self._saved = getattr(_thread_call_edit, "value", (None, None))
+        _thread_call_edit.value = self._value
+        return self
+
+    def __exit__(self, *exc):
+        _thread_call_edit.value = self._saved
+        return False
+
+
 def current_rewrite_options():
     """The RewriterConfig that graph functions of the calling thread are built with."""
     options = _context.context().function_call_options
@@ -166,8 +194,23 @@ _original_run_eagerly = _polymorphic.Function._run_functions_eagerly  # a proper
 _original_session_init = _session.BaseSession.__init__
 
 
+# resolver(atomic_function, args) -> (key, edit) or None: a config edit that only the
+# call's inputs tell (call_batch.py: the batch of inputs whose batch dimension the
+# graph leaves unknown).
+_call_edit_resolver = None
+
+
 def _call_flat(self, *args):
     eager = self._bound_context.executing_eagerly()
+    resolver = _call_edit_resolver
+    call_edit = resolver(self, args) if resolver is not None and eager else None
+    if call_edit is None:
+        return _call_flat_observed(self, eager, args)
+    with call_config_edit(*call_edit):
+        return _call_flat_observed(self, eager, args)
+
+
+def _call_flat_observed(self, eager, args):
     observer = _call_observer
     if observer is not None and eager:
         observer(self)
@@ -255,6 +298,13 @@ def set_build_handler(handler):
     failed with an InvalidArgumentError."""
     global _build_handler
     _build_handler = handler
+
+
+def set_call_edit_resolver(resolver):
+    """Installs resolver(atomic_function, args) -> (key, edit) or None, asked before
+    each eager graph-function call (call_batch.py); None removes it."""
+    global _call_edit_resolver
+    _call_edit_resolver = resolver
 
 
 def set_call_handler(handler):
