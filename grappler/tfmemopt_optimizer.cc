@@ -1070,10 +1070,16 @@ absl::Status TfMemOptOptimizer::Optimize(Cluster* cluster, const GrapplerItem& i
     // A split sums weight gradients over slices: results differ from the original's
     // in the order of float sums, which the user must hear of even with INFO off.
     const bool reordered_sums = report.graph_changed && report.split.applied;
+    // Tensors of unknown batch counted as 1 make the prediction (and "fits") a small
+    // fraction of the step: the plan is made for a step that does not exist.
+    const bool unknown_batch = report.unresolved_tensors > 0 &&
+                               options_.assume_batch_size == 0 &&
+                               options_.mode != Mode::kAnalyzeOnly;
     if (report.status != "ok") {
       LOG(WARNING) << summary;
-    } else if ((infeasible || reordered_sums) && options_.log_level >= 1) {
-      // The best plan is applied and the budget is not met, or the plan splits.
+    } else if ((infeasible || reordered_sums || unknown_batch) && options_.log_level >= 1) {
+      // The best plan is applied and the budget is not met, the plan splits, or it was
+      // made without the batch size.
       LOG(WARNING) << summary;
     } else if (options_.log_level >= 1) {
       LOG(INFO) << summary;
