@@ -131,3 +131,18 @@ def test_a_plan_made_without_the_batch_is_a_warning(capfd):
     lines = [l for l in capfd.readouterr().err.splitlines()
              if f"TfMemOpt: graph {report.graph_id}" in l]
     assert len(lines) == 1 and lines[0].startswith("I"), lines
+
+
+def test_a_call_whose_batch_cannot_be_read_runs_as_configured(monkeypatch):
+    # Whatever the inputs are, reading them must not break the user's call.
+    from tfmemopt import _eager_context
+
+    def unreadable(function, args):
+        raise RuntimeError("inputs of no shape")
+
+    monkeypatch.setattr(_eager_context, "_call_edit_resolver", unreadable)
+    tfmemopt.enable("1GiB", log_level=0)
+    losses, _ = _train(_batches([32]), SIGNATURE)
+    assert np.isfinite(losses).all()
+    (report,) = reports_for("__inference_step")
+    assert report.to_dict()["assume_batch_size"] == 0

@@ -203,7 +203,12 @@ _call_edit_resolver = None
 def _call_flat(self, *args):
     eager = self._bound_context.executing_eagerly()
     resolver = _call_edit_resolver
-    call_edit = resolver(self, args) if resolver is not None and eager else None
+    call_edit = None
+    if resolver is not None and eager:
+        try:
+            call_edit = resolver(self, args)
+        except Exception:  # noqa: BLE001 - the call goes on as configured
+            call_edit = None
     if call_edit is None:
         return _call_flat_observed(self, eager, args)
     with call_config_edit(*call_edit):
