@@ -16,6 +16,8 @@ from conftest import (
 )
 
 STEP = "__inference_train_step"
+# The MLP step's inputs with an unknown batch dimension.
+UNKNOWN_BATCH = [tf.TensorSpec([None, FEATURES], tf.float32), tf.TensorSpec([None], tf.int32)]
 
 
 def test_tf_function_in_main_thread_gets_a_report():
@@ -121,23 +123,19 @@ def test_over_budget_graph_is_reported_as_not_fitting():
 
 
 def test_unknown_batch_dimension_is_resolved_by_assume_batch_size():
-    signature = [
-        tf.TensorSpec([None, FEATURES], tf.float32),
-        tf.TensorSpec([None], tf.int32),
-    ]
     tfmemopt.enable("1GiB")
     run_mlp_steps(steps=1)
     (known,) = reports_for(STEP)
     # Planned without a call (nothing tells the batch), the unknown dimension stays
     # unknown and the report says what resolves it.
     variables = mlp_variables()
-    step = make_mlp_train_step(variables, input_signature=signature)
+    step = make_mlp_train_step(variables, input_signature=UNKNOWN_BATCH)
     unknown = tfmemopt.analyze(step, *mlp_batch(), budget="1GiB", log_level=0)
     assert unknown.unresolved_tensors > 0
     assert "assume_batch_size" in unknown.to_text()
     tfmemopt.clear_reports()
     tfmemopt.enable("1GiB", assume_batch_size=BATCH)
-    run_mlp_steps(steps=1, input_signature=signature)
+    run_mlp_steps(steps=1, input_signature=UNKNOWN_BATCH)
     (resolved,) = reports_for(STEP)
     assert resolved.unresolved_tensors == 0
     assert resolved.to_dict()["batch_dims_resolved"] > 0
@@ -150,15 +148,11 @@ def test_unknown_batch_dimension_is_resolved_by_assume_batch_size():
 def test_a_call_tells_the_unknown_batch_that_the_config_does_not():
     # Under enable() without assume_batch_size, the eager call gives the pass the batch
     # of its inputs (tfmemopt.call_batch): sized as with the batch in the signature.
-    signature = [
-        tf.TensorSpec([None, FEATURES], tf.float32),
-        tf.TensorSpec([None], tf.int32),
-    ]
     tfmemopt.enable("1GiB")
     run_mlp_steps(steps=1)
     (known,) = reports_for(STEP)
     tfmemopt.clear_reports()
-    run_mlp_steps(steps=1, input_signature=signature)
+    run_mlp_steps(steps=1, input_signature=UNKNOWN_BATCH)
     (called,) = reports_for(STEP)
     assert called.unresolved_tensors == 0
     assert called.to_dict()["assume_batch_size"] == BATCH
