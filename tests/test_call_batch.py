@@ -106,6 +106,14 @@ def test_an_assume_batch_size_in_the_config_is_kept():
     assert report.to_dict()["assume_batch_size"] == 16
 
 
+def test_an_assume_batch_size_of_0_given_keeps_the_batch_unknown():
+    tfmemopt.enable("1GiB", assume_batch_size=0, log_level=0)
+    _train(_batches([32]), SIGNATURE)
+    (report,) = reports_for("__inference_step")
+    assert report.to_dict()["assume_batch_size"] == 0
+    assert report.unresolved_tensors > 0
+
+
 def test_a_step_of_known_shapes_is_left_as_configured():
     tfmemopt.enable("1GiB", log_level=0)
     _train(_batches([32]))

@@ -22,7 +22,8 @@ and builds the function with `assume_batch_size` set to it.
   re-plan. A call of a larger batch re-plans: TF builds the function again under the
   new config. One INFO line per function and batch.
 * A config that sets `assume_batch_size` (the user's, or the Keras callback's for a
-  fit) keeps it; a config without the pass is left alone.
+  fit) keeps it, 0 included (`enable(assume_batch_size=0)`: unknown dimensions stay
+  unknown, as without this module); a config without the pass is left alone.
 
 Installed on import for every eager graph-function call
 (_eager_context.set_call_edit_resolver); calls inside a graph (a function that
@@ -72,7 +73,7 @@ def batch_of_call(function, args):
             indices = ()
         with _lock:
             _unknown_inputs[name] = indices
-    if not indices or len(args) < len(indices):
+    if not indices or indices[-1] >= len(args):
         return None
     sizes = set()
     for index in indices:
@@ -84,10 +85,11 @@ def batch_of_call(function, args):
 
 
 def _assume_batch(batch):
-    """The edit that gives the pass's entry assume_batch_size=batch, unless it has one."""
+    """The edit that gives the pass's entry assume_batch_size=batch, unless the config
+    sets the field (to 0 too: the user asked for unknown dimensions to stay unknown)."""
     def edit(config):
         for entry in config.graph_options.rewrite_options.custom_optimizers:
-            if entry.name == PASS_NAME and not entry.parameter_map[_FIELD].i:
+            if entry.name == PASS_NAME and _FIELD not in entry.parameter_map:
                 entry.parameter_map[_FIELD].i = batch
     return edit
 
