@@ -438,6 +438,44 @@ def test_conv_backprop_without_onednn_holds_an_im2col_shard(
     # count, 8.4 MiB in the first case; and below its first 2 MiB region BFC rounds.)
     assert result["measured"] >= tensors + out + kernel - 8192
 
+_XENT = r"""
+# 2048 rows of 2048 classes: 16 MiB of logits, made by TF ops (see _EINSUM).
+x = tf.random.uniform([2048, 64], seed=1)
+w = tf.random.uniform([64, 2048], seed=2)
+labels = tf.random.uniform([2048], maxval=2048, dtype=tf.int32, seed=3)
+LABELS
+
+@tf.function
+def fn(x, w, labels):
+    with tf.GradientTape() as tape:
+        tape.watch(w)
+        logits = tf.matmul(x, w)
+        loss = tf.reduce_sum(LOSS(labels=labels, logits=logits))
+    return tape.gradient(loss, w)
+
+args = (x, w, labels)
+"""
+
+
+@pytest.mark.parametrize("loss", ["sparse", "dense"])
+def test_softmax_cross_entropy_writes_its_backprop_into_the_logits(loss):
+    # sparse_xent_op.cc and xent_op.cc: forward_input_or_allocate_output({0}, 1, ...)
+    # gives the backprop (output 1) the logits' buffer when the kernel is the logits'
+    # last reader. The logits' gradient then holds no 16 MiB of its own: at the peak,
+    # the inputs (caller's: x, w, labels), the logits' buffer and w's gradient.
+    code = (_XENT.replace("LOSS", "tf.nn.sparse_softmax_cross_entropy_with_logits")
+            .replace("LABELS", "")
+            if loss == "sparse" else
+            _XENT.replace("LOSS", "tf.nn.softmax_cross_entropy_with_logits")
+            .replace("LABELS", "labels = tf.one_hot(labels, 2048)"))
+    result = measure_function(code)
+    inputs = 4 * (2048 * 64 + 64 * 2048) + (2048 * 4 if loss == "sparse" else 16 * MIB)
+    logits = 16 * MIB
+    assert result["live"] - result["persistent"] == pytest.approx(
+        inputs + logits + 4 * 64 * 2048, abs=64 << 10)
+    assert result["measured"] == pytest.approx(result["predicted"], rel=0.03)
+
+
 _CONTROL = r'''
 x = tf.random.uniform([1 << 20], seed=1)  # 4 MiB
 

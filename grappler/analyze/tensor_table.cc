@@ -252,12 +252,23 @@ int64_t VariableBytes(const TensorTable& table, const GraphProperties& props,
   return 0;
 }
 
-// Inputs whose buffer the kernel may take over for output 0 (TF's
+// The softmax cross-entropy kernels, whose backprop may take the logits' buffer.
+bool IsSoftmaxCrossEntropy(const NodeDef& node) {
+  return node.op() == "SparseSoftmaxCrossEntropyWithLogits" ||
+         node.op() == "SoftmaxCrossEntropyWithLogits";
+}
+
+// The output that ReusableInputPorts' inputs may be forwarded to.
+int ReusingOutput(const NodeDef& node) { return IsSoftmaxCrossEntropy(node) ? 1 : 0; }
+
+// Inputs whose buffer the kernel may take over for an output (ReusingOutput) (TF's
 // forward_input_or_allocate_output): element-wise kernels (UnaryOp and BinaryOp
 // in cwise_ops_common.h, UnaryElementWiseOp and BinaryElementWiseOp in
 // numeric_op.h, SimpleBinaryOp), BiasAdd (its input) and AddN (any input).
 // Measured on the five benchmark models (TF 2.21, oneDNN on): such outputs
-// allocate nothing whenever their input had no other reader left.
+// allocate nothing whenever their input had no other reader left. The softmax
+// cross-entropy kernels (sparse_xent_op.cc, xent_op.cc) forward the logits (input
+// 0) to their backprop (output 1, ReusingOutput).
 std::vector<int> ReusableInputPorts(const NodeDef& node) {
   static const auto* unary = new std::set<std::string>{
       "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh",
@@ -274,7 +285,9 @@ std::vector<int> ReusableInputPorts(const NodeDef& node) {
       "EluGrad", "InvGrad", "LeakyReluGrad", "ReciprocalGrad", "Relu6Grad",
       "ReluGrad", "RsqrtGrad", "SeluGrad", "SigmoidGrad", "SoftplusGrad",
       "SoftsignGrad", "SqrtGrad", "TanhGrad"};
-  if (unary->count(node.op()) || node.op() == "BiasAdd") return {0};
+  if (unary->count(node.op()) || node.op() == "BiasAdd" || IsSoftmaxCrossEntropy(node)) {
+    return {0};
+  }
   if (binary->count(node.op())) return {0, 1};
   if (node.op() == "AddN") {
     std::vector<int> all;
@@ -288,8 +301,9 @@ std::vector<int> ReusableInputPorts(const NodeDef& node) {
 
 void BindReusableInputs(TensorTable* table) {
   for (NodeInfo& node : table->nodes) {
-    if (node.outputs.empty()) continue;
-    const TensorInfo& out = table->tensors[node.outputs[0]];
+    node.reusable_output = ReusingOutput(*node.def);
+    if (static_cast<int>(node.outputs.size()) <= node.reusable_output) continue;
+    const TensorInfo& out = table->tensors[node.outputs[node.reusable_output]];
     if (!out.size_known || out.bytes == 0) continue;
     for (int port : ReusableInputPorts(*node.def)) {
       if (port >= static_cast<int>(node.inputs.size())) continue;

@@ -63,13 +63,16 @@ struct NodeInfo {
   int64_t temp_bytes = 0;
   // Predicted run time (OpLevelCostEstimator), for the planner's cost model.
   double compute_seconds = 0;
-  // Inputs (positions in `inputs`) whose buffer output 0 takes over, instead of
-  // allocating one, when this node is the buffer's last reader: TF's element-wise
-  // kernels call forward_input_or_allocate_output, which forwards an input whose
-  // reference count is one. Only inputs of output 0's dtype and byte size are
-  // listed; whether the buffer is free to take depends on the order, so the
-  // simulator decides.
+  // Inputs (positions in `inputs`) whose buffer output `reusable_output` takes
+  // over, instead of allocating one, when this node is the buffer's last reader:
+  // TF's element-wise kernels call forward_input_or_allocate_output, which forwards
+  // an input whose reference count is one. Only inputs of that output's dtype and
+  // byte size are listed; whether the buffer is free to take depends on the order,
+  // so the simulator decides.
   std::vector<int> reusable_inputs;
+  // The output that may take over a reusable input: 0, but 1 (the backprop) for the
+  // softmax cross-entropy kernels, which forward the logits' buffer to it.
+  int reusable_output = 0;
   // Resource inputs (positions in `inputs`) whose variable the kernel updates in
   // place. TF copies the variable first if a read of it is still live
   // (copy-on-write); the simulator counts that copy.

@@ -59,6 +59,7 @@ std::string TensorTableJson(const TensorTable& table, const std::vector<int>& or
                                                                   static_cast<int>(n));
     out << ",\"recomputable\":" << Quote(why) << ",\"reusable_inputs\":";
     List(out, node.reusable_inputs);
+    out << ",\"reusable_output\":" << node.reusable_output;
     out << ",\"updated_variables\":";
     List(out, node.updated_variables);
     out << ",\"extra_buffers\":";

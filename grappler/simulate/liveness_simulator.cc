@@ -274,7 +274,8 @@ class Replay {
       if (live_[own] || buffer.owner != t || alias_[own] != own || buffer.allocated_by >= 0) {
         continue;
       }
-      const int reused = i == 0 ? TakeOver(node, n, t) : -1;
+      const int reused =
+          static_cast<int>(i) == node.reusable_output ? TakeOver(node, n, t) : -1;
       if (reused >= 0) {
         // The output inherits the input's memory; the input's value ends here,
         // and this node's read of it is the one read left.
