@@ -86,13 +86,17 @@ SETTINGS = {
     "conv_autoencoder": (64, 8),
     "bidirectional_gru": (64, 32),
     "embedding_attention": (64, 32),
+    "gpt_mini": (128, 16),
+    "seq2seq_lstm": (128, 32),
+    "groupnorm_resnet": (256, 8),
+    "conv3d_video": (128, 8),
 }
 DEFAULT = (256, 8)
 # --unseen sweeps these; VGG16 and ConvNeXtTiny hold 0.5 to 1 GiB of weights and Adam
 # state at any batch, too slow a sweep for a CPU (name them with --models).
 UNSEEN = ["mobilenetv3small", "efficientnetv2b0", "nasnetmobile", "resnet50v2",
           "inceptionv3", "xception", "vit_tiny", "conv_autoencoder", "bidirectional_gru",
-          "embedding_attention"]
+          "embedding_attention", "gpt_mini", "seq2seq_lstm", "groupnorm_resnet", "conv3d_video"]
 
 
 def model_step(model, size):

@@ -126,6 +126,99 @@ def embedding_attention(batch=32):
             keras.losses.SparseCategoricalCrossentropy(from_logits=True), data)
 
 
+def gpt_mini(batch=16):
+    """A causal decoder: token and position embeddings, two pre-norm blocks of
+    causally masked attention and a ReLU MLP, a loss over every position's next token."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    L = keras.layers
+    seq, vocab, width = 64, 2000, 128
+    class AddPositions(L.Layer):
+        def build(self, input_shape):
+            self.table = self.add_weight(shape=(seq, width), initializer="glorot_uniform")
+
+        def call(self, x):
+            return x + self.table
+
+    tokens = keras.Input((seq,), dtype="int32")
+    x = AddPositions()(L.Embedding(vocab, width)(tokens))
+    for _ in range(2):
+        h = L.LayerNormalization(epsilon=1e-5)(x)
+        x = x + L.MultiHeadAttention(4, 32)(h, h, use_causal_mask=True)
+        h = L.LayerNormalization(epsilon=1e-5)(x)
+        x = x + L.Dense(width)(L.Dense(4 * width, activation="relu")(h))
+    logits = L.Dense(vocab)(L.LayerNormalization(epsilon=1e-5)(x))
+    rng = np.random.default_rng(0)
+    data = (tf.constant(rng.integers(0, vocab, size=(batch, seq), dtype=np.int32)),
+            tf.constant(rng.integers(0, vocab, size=(batch, seq), dtype=np.int32)))
+    return (keras.Model(tokens, logits),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), data)
+
+
+def seq2seq_lstm(batch=32):
+    """An LSTM encoder whose final states start an LSTM decoder (teacher forcing), a
+    time-distributed projection, a loss per decoded step."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    L = keras.layers
+    source_len, target_len, vocab = 40, 30, 500
+    source = keras.Input((source_len,), dtype="int32")
+    target = keras.Input((target_len,), dtype="int32")
+    _, h, c = L.LSTM(128, return_state=True)(L.Embedding(vocab, 64)(source))
+    decoded = L.LSTM(128, return_sequences=True)(L.Embedding(vocab, 64)(target),
+                                                 initial_state=[h, c])
+    logits = L.TimeDistributed(L.Dense(vocab))(decoded)
+    rng = np.random.default_rng(0)
+    data = ((tf.constant(rng.integers(0, vocab, size=(batch, source_len), dtype=np.int32)),
+             tf.constant(rng.integers(0, vocab, size=(batch, target_len), dtype=np.int32))),
+            tf.constant(rng.integers(0, vocab, size=(batch, target_len), dtype=np.int32)))
+    return (keras.Model([source, target], logits),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), data)
+
+
+def groupnorm_resnet(batch=16):
+    """Residual blocks with group normalization, swish, a dilated convolution, a
+    concatenated shortcut and average pooling."""
+    import keras
+
+    L = keras.layers
+    inputs = keras.Input((64, 64, 3))
+    x = L.Conv2D(32, 3, padding="same")(inputs)
+    for filters, dilation in ((32, 1), (64, 2), (64, 1)):
+        h = L.Activation("swish")(L.GroupNormalization(8)(x))
+        h = L.Conv2D(filters, 3, padding="same", dilation_rate=dilation)(h)
+        h = L.Activation("swish")(L.GroupNormalization(8)(h))
+        h = L.Conv2D(filters, 3, padding="same")(h)
+        x = L.Concatenate()([x, h]) if filters != x.shape[-1] else L.Add()([x, h])
+        x = L.AveragePooling2D(2)(x)
+    outputs = L.Dense(10)(L.GlobalAveragePooling2D()(x))
+    return (keras.Model(inputs, outputs),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            _batch(batch, (64, 64, 3)))
+
+
+def conv3d_video(batch=8):
+    """Clips of 8 frames: 3-D convolutions with batch norm, 3-D max pooling, a
+    (2+1)-D factorised block."""
+    import keras
+
+    L = keras.layers
+    inputs = keras.Input((8, 32, 32, 3))
+    x = L.Conv3D(16, 3, padding="same", activation="relu")(inputs)
+    x = L.MaxPooling3D((1, 2, 2))(L.BatchNormalization()(x))
+    x = L.Conv3D(32, (1, 3, 3), padding="same", activation="relu")(x)
+    x = L.Conv3D(32, (3, 1, 1), padding="same", activation="relu")(x)
+    x = L.MaxPooling3D()(L.BatchNormalization()(x))
+    outputs = L.Dense(10)(L.GlobalAveragePooling3D()(x))
+    return (keras.Model(inputs, outputs),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            _batch(batch, (8, 32, 32, 3)))
+
+
 MODELS = {
     "vgg16": _application("VGG16", 64, 16),
     "resnet50v2": _application("ResNet50V2", 64, 8),
@@ -139,6 +232,10 @@ MODELS = {
     "conv_autoencoder": conv_autoencoder,
     "bidirectional_gru": bidirectional_gru,
     "embedding_attention": embedding_attention,
+    "gpt_mini": gpt_mini,
+    "seq2seq_lstm": seq2seq_lstm,
+    "groupnorm_resnet": groupnorm_resnet,
+    "conv3d_video": conv3d_video,
 }
 
 
