@@ -438,6 +438,34 @@ def test_conv_backprop_without_onednn_holds_an_im2col_shard(
     # count, 8.4 MiB in the first case; and below its first 2 MiB region BFC rounds.)
     assert result["measured"] >= tensors + out + kernel - 8192
 
+_LAST_READER = r"""
+x0 = tf.random.uniform([1 << 22], seed=1)  # 16 MiB
+
+@tf.function
+def fn(x0):
+    x = x0 * 1.5  # a buffer of the step's own, read only by the op below
+    return tf.reduce_sum(OP)
+
+args = (x0,)
+"""
+
+
+@pytest.mark.parametrize("op", [
+    "tf.nn.softmax(tf.reshape(x, [4096, 1024]))",
+    "tf.nn.log_softmax(tf.reshape(x, [4096, 1024]))",
+    "tf.where(x0 > 0.5, x, 0.0)",  # SelectV2 takes over its "t" input
+])
+def test_a_kernel_that_forwards_its_input_writes_into_it_when_it_is_the_last_reader(op):
+    # softmax_op.h and cwise_op_select.cc call forward_input_or_allocate_output: at
+    # the peak, x0 (the caller's) and x's buffer, which the op's output takes over;
+    # three tensors if it did not.
+    result = measure_function(_LAST_READER.replace("OP", op))
+    condition = 4 << 20 if "where" in op else 0  # the bool mask x0 > 0.5
+    assert result["live"] - result["persistent"] == pytest.approx(
+        32 * MIB + condition, abs=64 << 10)
+    assert result["measured"] == pytest.approx(32 * MIB + condition, abs=1 * MIB)
+
+
 _XENT = r"""
 # 2048 rows of 2048 classes: 16 MiB of logits, made by TF ops (see _EINSUM).
 x = tf.random.uniform([2048, 64], seed=1)

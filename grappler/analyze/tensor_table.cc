@@ -266,7 +266,9 @@ int ReusingOutput(const NodeDef& node) { return IsSoftmaxCrossEntropy(node) ? 1 
 // in cwise_ops_common.h, UnaryElementWiseOp and BinaryElementWiseOp in
 // numeric_op.h, SimpleBinaryOp), BiasAdd (its input) and AddN (any input).
 // Measured on the five benchmark models (TF 2.21, oneDNN on): such outputs
-// allocate nothing whenever their input had no other reader left. The softmax
+// allocate nothing whenever their input had no other reader left. So do Softmax
+// and LogSoftmax (softmax_op.h), ClipByValue (its input), Select and SelectV2 (their
+// "t" or "e" input, cwise_op_select.cc), measured one op at a time; and the softmax
 // cross-entropy kernels (sparse_xent_op.cc, xent_op.cc) forward the logits (input
 // 0) to their backprop (output 1, ReusingOutput).
 std::vector<int> ReusableInputPorts(const NodeDef& node) {
@@ -285,9 +287,11 @@ std::vector<int> ReusableInputPorts(const NodeDef& node) {
       "EluGrad", "InvGrad", "LeakyReluGrad", "ReciprocalGrad", "Relu6Grad",
       "ReluGrad", "RsqrtGrad", "SeluGrad", "SigmoidGrad", "SoftplusGrad",
       "SoftsignGrad", "SqrtGrad", "TanhGrad"};
-  if (unary->count(node.op()) || node.op() == "BiasAdd" || IsSoftmaxCrossEntropy(node)) {
+  if (unary->count(node.op()) || node.op() == "BiasAdd" || node.op() == "Softmax" ||
+      node.op() == "LogSoftmax" || node.op() == "ClipByValue" || IsSoftmaxCrossEntropy(node)) {
     return {0};
   }
+  if (node.op() == "Select" || node.op() == "SelectV2") return {1, 2};
   if (binary->count(node.op())) return {0, 1};
   if (node.op() == "AddN") {
     std::vector<int> all;
