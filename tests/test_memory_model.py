@@ -466,6 +466,35 @@ def test_a_kernel_that_forwards_its_input_writes_into_it_when_it_is_the_last_rea
     assert result["measured"] == pytest.approx(32 * MIB + condition, abs=1 * MIB)
 
 
+_LAST_VIEW = r"""
+x0 = tf.random.uniform([64, 1 << 16], seed=1)  # 16 MiB
+
+@tf.function
+def fn(x0):
+    x = x0 * 1.5  # 16 MiB of the step's own
+    top = tf.slice(x, [0, 0], [32, 1 << 16])  # views into x (rows, aligned)
+    bottom = tf.slice(x, [32, 0], [32, 1 << 16])
+    a = top * 2.0  # allocates 8 MiB: x is still viewed by `bottom`
+    with tf.control_dependencies([a]):
+        b = bottom + 1.0  # the last reader of x: TF forwards the view
+    return tf.reduce_sum(tf.concat([a, b], 0))
+
+args = (x0,)
+"""
+
+
+def test_an_op_that_takes_over_the_last_view_into_a_buffer_keeps_the_whole_buffer():
+    # A Slice along dimension 0 is a view (SharedSliceCommonCases), and once the
+    # other views are gone its buffer's reference count is one: `bottom + 1.0`
+    # writes into the view, so x (16 MiB) lives until the concat has read b. At the
+    # concat: x0, x, a and the concat's 16 MiB; 8 MiB less if b had a buffer of its
+    # own and x were freed. (The split rewrite's slices are such views.) TF's peak
+    # is in BFC's chunks, which the allocator model replays.
+    result = measure_function(_LAST_VIEW)
+    assert result["live"] - result["persistent"] == pytest.approx(56 * MIB, abs=64 << 10)
+    assert result["measured"] == pytest.approx(result["predicted"], rel=0.01)
+
+
 _XENT = r"""
 # 2048 rows of 2048 classes: 16 MiB of logits, made by TF ops (see _EINSUM).
 x = tf.random.uniform([2048, 64], seed=1)

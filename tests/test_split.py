@@ -436,9 +436,12 @@ print("RESULT " + json.dumps({
 """
 
 
-def batch_statistics(dtype, fraction, **fields):
+BFC_ALLOCATOR = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
+
+def batch_statistics(dtype, fraction, env=None, **fields):
     proc = run_python(BATCH_STATISTICS, BENCHMARKS.replace("benchmarks", "tests"), dtype,
-                      fraction, json.dumps(fields))
+                      fraction, json.dumps(fields), env=env)
     return subprocess_result(proc)
 
 
@@ -509,7 +512,11 @@ def test_split_through_batch_statistics_is_exact_up_to_the_order_of_float_sums()
     # float64: what the split changes is the order of sums only, so the gradients
     # agree with the unsplit step's to within float64 rounding magnified by batch
     # normalization's backward (which subtracts nearly equal sums: about 1e4 here).
-    result = batch_statistics("float64", 0.3)
+    # On TF's BFC allocator (the CPU test bed's, a GPU's), whose chunks the model
+    # replays: there a split through the statistics lowers the float64 step's peak.
+    # (Counted in bytes alone it does not: the slices of an element-wise op keep the
+    # whole input alive, since TF forwards a slice's view into it.)
+    result = batch_statistics("float64", 0.3, env=BFC_ALLOCATOR)
     assert result["changed"] and result["split"]["applied"], result["split"]
     # The gradients of both layers' mean and variance (moments/Tile, Tile_1).
     assert len(spread_over_batch(result)) >= 3, result["split_ops"]
@@ -518,7 +525,7 @@ def test_split_through_batch_statistics_is_exact_up_to_the_order_of_float_sums()
     # float32: the stated tolerance of docs/split.md#batch-statistics. The same
     # magnification makes the layers below a split normalization differ by up to
     # about 1e-3; the loss stays bitwise.
-    result = batch_statistics("float32", 0.3)
+    result = batch_statistics("float32", 0.3, env=BFC_ALLOCATOR)
     assert result["split"]["applied"] and spread_over_batch(result), result["split"]
     assert_loss_and_logits_match(result)
     assert 0 < max(result["grads"]) < 5e-3, result["grads"]

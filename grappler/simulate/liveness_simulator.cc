@@ -231,19 +231,28 @@ class Replay {
   }
 
   // The input buffer whose memory output `tensor` of `node` can take over, or
-  // -1: a reusable input that is live, transient, on the same device and of the
-  // same size, and that has no reader left but this node (TF checks that the
-  // buffer's reference count is one).
-  int TakeOver(const NodeInfo& node, int node_index, int tensor) {
+  // -1: a reusable input that is live, transient, on the same device, and that has
+  // no reader left but this node (TF checks that the buffer's reference count is
+  // one, and its root buffer's). `*view`: the input is a view into a larger buffer
+  // (a Slice along dimension 0, SliceIsView), which TF forwards as it is: the
+  // output is then that view, and the whole buffer lives as long as it does.
+  int TakeOver(const NodeInfo& node, int node_index, int tensor, bool* view) {
     const int own = table_.tensors[tensor].buffer;
     for (int port : node.reusable_inputs) {
       const int input = node.inputs[port];
       if (!ForwardEdge(input, node_index)) continue;
       const int b = Resolve(table_.tensors[input].buffer);
       const BufferInfo& buffer = table_.buffers[b];
-      if (live_[b] && !buffer.persistent && !buffer.external && pending_[b] == 1 &&
-          buffer.bytes == table_.buffers[own].bytes &&
-          device_of_buffer_[b] == device_of_buffer_[own]) {
+      if (!live_[b] || buffer.persistent || buffer.external || pending_[b] != 1 ||
+          device_of_buffer_[b] != device_of_buffer_[own]) {
+        continue;
+      }
+      if (buffer.bytes == table_.buffers[own].bytes) return b;
+      // Larger: a view, unless the buffer is a TensorList's (an element read from
+      // it, which the list's own references keep from being forwarded).
+      if (buffer.bytes > table_.buffers[own].bytes && buffer.pieces == 1 &&
+          buffer.allocated_by < 0 && buffer.held_by.empty()) {
+        *view = true;
         return b;
       }
     }
@@ -274,8 +283,17 @@ class Replay {
       if (live_[own] || buffer.owner != t || alias_[own] != own || buffer.allocated_by >= 0) {
         continue;
       }
+      bool view = false;
       const int reused =
-          static_cast<int>(i) == node.reusable_output ? TakeOver(node, n, t) : -1;
+          static_cast<int>(i) == node.reusable_output ? TakeOver(node, n, t, &view) : -1;
+      if (reused >= 0 && view) {
+        // The output is the input's view: it allocates nothing, and its readers hold
+        // the viewed buffer (this node's read of it ends with the step).
+        alias_[own] = reused;
+        pending_[reused] += pending_[own];
+        pending_[own] = 0;
+        continue;
+      }
       if (reused >= 0) {
         // The output inherits the input's memory; the input's value ends here,
         // and this node's read of it is the one read left.
