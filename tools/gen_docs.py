@@ -471,6 +471,7 @@ RENDERERS = {
     ("stress", None): stress,
     ("fits_means_trains", None): fits_means_trains,
     ("fits_means_trains_unseen", None): fits_means_trains,
+    ("fits_means_trains_unseen_more", None): fits_means_trains,
     ("optimality", None): optimality,
     ("peers", None): peers,
     ("peers", "summary"): peers_summary,
